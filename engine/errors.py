@@ -1,0 +1,60 @@
+"""The engine's exceptions, in one place.
+
+Split like h11's errors: :class:`EngineUsageError` means the caller handed the engine something
+invalid (a bad schedule, time going backwards) and nothing was changed; :class:`EngineStateError`
+means a peer or a stored record is inconsistent with what the engine holds (a stale epoch, a
+record of an unknown format). Every error carries a stable ``code`` that drivers put on the wire
+and, where one input field is to blame, the dotted ``field`` name.
+"""
+
+from __future__ import annotations
+
+
+class EngineError(Exception):
+    """Root of every exception raised by ``engine``."""
+
+    code: str = "engine_error"
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.field = field
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.message}" if self.field else self.message
+
+
+class EngineUsageError(EngineError, ValueError):
+    """The caller passed something invalid; the engine state is unchanged."""
+
+    code = "invalid"
+
+
+class EngineStateError(EngineError):
+    """A peer or a stored record disagrees with the engine (stale epoch, unknown format)."""
+
+    code = "state"
+
+
+class TimeWentBackwards(EngineUsageError):
+    """A clock input was smaller than one already seen; engine time never goes backwards."""
+
+    code = "time_backwards"
+
+
+class InvalidKey(EngineUsageError):
+    """A timer key is not an int in the supported range."""
+
+    code = "invalid_key"
+
+
+class InvalidDue(EngineUsageError):
+    """A due time is not an int in the supported range."""
+
+    code = "invalid_due"
+
+
+class ScheduleError(EngineUsageError):
+    """A schedule spec is invalid; ``field`` names the part to blame (``schedule.cron``...)."""
+
+    code = "invalid_schedule"
