@@ -148,7 +148,8 @@ def print_table(result: SuiteResult, *, file: Any = None) -> None:
             "" if m.anchor_value is None else _fmt(m.anchor_value),
             "" if ratio is None else f"{ratio:.2f}x",
         )
-    console = Console(file=file)
+    # Wide enough for the parameters column even when piped (rich assumes 80 columns then).
+    console = Console(file=file, width=max(Console().width, 150))
     console.print(table)
     for note in result.notes:
         console.print(f"note: {note}")

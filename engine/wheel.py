@@ -49,6 +49,9 @@ MAX_KEY: int = 2**32 - 1
 # Buckets at or below this many entries are handled in plain Python: with a few entries, numpy's
 # per-call overhead costs more than the loop it replaces.
 _SMALL_BUCKET = 48
+# schedule() stages keys and places them in one vectorised pass at the next advance/next_due, or
+# when this many are waiting (which bounds the staging list's memory).
+_STAGE_LIMIT = 1 << 16
 # Stale entries tolerated on top of twice the live count before a compaction.
 _COMPACT_SLACK = 1 << 16
 
@@ -185,27 +188,40 @@ class TimingWheel:
 
         A due at or before the wheel's current time fires on the next :meth:`advance`.
         """
-        if type(key) is not int or type(due_ms) is not int:
-            key, due_ms = _as_int(key, "key"), _as_int(due_ms, "due_ms")
-        if key < 0 or key > MAX_KEY:
-            raise InvalidKey(f"key must be in 0..{MAX_KEY}, got {key!r}", field="key")
-        if not -NOT_PENDING <= due_ms < NOT_PENDING:
-            raise InvalidDue(f"due_ms must be an int64 below 2**63-1, got {due_ms!r}", field="due")
+        # The hot path: a key inside the due column and an int64 due. Anything else (a new key
+        # beyond the column, a wrong type, a due out of range) takes the validating slow path.
         dues = self._due
-        if key >= len(dues):
-            self._grow(key + 1)
-            dues = self._due
-        old = dues[key]
-        dues[key] = due_ms
+        try:
+            if key < 0 or due_ms == NOT_PENDING:
+                raise IndexError(key)
+            old = dues[key]
+            dues[key] = due_ms  # array('q') refuses non-integers and values beyond int64
+        except (IndexError, TypeError, OverflowError):
+            self._schedule_slow(key, due_ms)
+            return
         # Placement is deferred to the next advance/next_due, which places every staged key in
         # one vectorised pass: cheaper than computing a slot per call in Python.
-        self._staged.append(key)
+        staged = self._staged
+        staged.append(key)
+        if len(staged) >= _STAGE_LIMIT:
+            self._place_staged()
         if old == NOT_PENDING:
             self._len += 1
         else:  # the entry placed for the old due is now stale
             self._stale += 1
             if self._stale > self._len + _COMPACT_SLACK:
                 self._compact()
+
+    def _schedule_slow(self, key: object, due_ms: object) -> None:
+        """:meth:`schedule` with full validation: typed errors, growth of the due column."""
+        key, due_ms = _as_int(key, "key"), _as_int(due_ms, "due_ms")
+        if key < 0 or key > MAX_KEY:
+            raise InvalidKey(f"key must be in 0..{MAX_KEY}, got {key!r}", field="key")
+        if not -NOT_PENDING <= due_ms < NOT_PENDING:
+            raise InvalidDue(f"due_ms must be an int64 below 2**63-1, got {due_ms!r}", field="due")
+        if key >= len(self._due):
+            self._grow(key + 1)
+        self.schedule(key, due_ms)
 
     def cancel(self, key: int) -> bool:
         """Stop ``key`` from firing; True when it was pending. O(1) amortised."""
@@ -242,7 +258,8 @@ class TimingWheel:
             raise InvalidDue("dues must be int64 values below 2**63-1", field="dues")
         due64 = due_arr.astype(np.int64, copy=False)
         key64 = key_arr.astype(np.int64, copy=False)
-        if key64.size > 1 and not bool(np.all(key64[1:] > key64[:-1])):
+        top = int(key64.max())
+        if key64.size > 1 and not bool(np.all(key64[1:] > key64[:-1])) and _has_repeats(key64, top):
             # Keep the last occurrence of each key: stable sort, then the end of each run.
             order = np.argsort(key64, kind="stable")
             sorted_keys = key64[order]
@@ -250,7 +267,6 @@ class TimingWheel:
             last[:-1] = sorted_keys[1:] != sorted_keys[:-1]
             pick = order[last]
             key64, due64 = key64[pick], due64[pick]
-        top = int(key64.max())
         if top >= len(self._due):
             self._grow(top + 1)
         due_view = np.frombuffer(self._due, dtype=np.int64)
@@ -279,10 +295,19 @@ class TimingWheel:
             )
         if now_ms >= NOT_PENDING:
             raise InvalidDue(f"now_ms must be below 2**63-1, got {now_ms!r}", field="now_ms")
-        out = _Fired()
         tick = self._tick
         if self._staged:
             self._place_staged()
+        if not self._near:
+            # The driver's steady state: nothing due yet. Answer without building anything.
+            occupied = self._occupied
+            if not occupied or (
+                self._slot_start_tick((occupied & -occupied).bit_length() - 1) * tick > now_ms
+            ):
+                self._now = now_ms
+                self._cur_tick = now_ms // tick
+                return []
+        out = _Fired()
         if self._near:
             near, self._near = self._near, array("I")
             hi = min((self._cur_tick + 1) * tick, NOT_PENDING)
@@ -368,7 +393,7 @@ class TimingWheel:
     def _grow(self, size: int) -> None:
         """Lengthen the due column to hold keys below ``size`` (geometric, so O(1) amortised)."""
         current = len(self._due)
-        target = min(max(size, current + (current >> 1), 1024), MAX_KEY + 1)
+        target = min(max(size, current + (current >> 2), 1024), MAX_KEY + 1)
         self._due.extend(array("q", [NOT_PENDING]) * (target - current))
 
     def _fire_past(self, past: list[tuple[array[int], int, int]], out: _Fired) -> None:
@@ -610,6 +635,14 @@ def _as_int(value: object, field: str) -> int:
         error = InvalidKey if field == "key" else InvalidDue
         raise error(f"{field} must be an int, got {type(value).__name__}", field=field)
     return operator.index(value)
+
+
+def _has_repeats(keys: npt.NDArray[np.int64], top: int) -> bool:
+    """Whether ``keys`` (all in ``0..top``) holds a key twice: O(n + top) with a byte per key,
+    instead of a sort, for the common batch of distinct keys in any order."""
+    seen = np.zeros(top + 1, dtype=np.uint8)
+    seen[keys] = 1
+    return int(np.count_nonzero(seen)) != keys.size
 
 
 def _sort_unique(
