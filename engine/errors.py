@@ -58,3 +58,16 @@ class ScheduleError(EngineUsageError):
     """A schedule spec is invalid; ``field`` names the part to blame (``schedule.cron``...)."""
 
     code = "invalid_schedule"
+
+
+class JobSpecError(EngineUsageError):
+    """A job spec (or an update, or a job id) is invalid; ``field`` names the part to blame
+    (``retries.max``, ``task.command[0]``, ``labels.team``...)."""
+
+    code = "invalid_job"
+
+
+class PolicyRecordError(EngineStateError):
+    """A stored policy table is malformed, or a job refers to a policy id the table lacks."""
+
+    code = "bad_policy"

@@ -1,0 +1,219 @@
+"""Commands into a shard engine and effects out of it: plain frozen values, no behaviour.
+
+Owns the vocabulary both drivers speak (the Trio node and the SimPy harness). Must never hold
+logic: what a command does is decided in :mod:`engine.shard`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.errors import EngineError
+from engine.jobs import JobSpec
+from engine.records import Record
+
+# ------------------------------------------------------------------------------- commands
+
+
+@dataclass(frozen=True)
+class CreateJob:
+    request_id: int
+    spec: JobSpec
+
+
+@dataclass(frozen=True)
+class UpdateJob:
+    request_id: int
+    spec: JobSpec  # the complete new spec (the driver merges a partial update first)
+
+
+@dataclass(frozen=True)
+class CancelJob:
+    request_id: int
+    job_id: str
+    stop_running: bool = False  # also stop runs already claimed or running
+
+
+@dataclass(frozen=True)
+class PauseJob:
+    request_id: int
+    job_id: str
+
+
+@dataclass(frozen=True)
+class ResumeJob:
+    request_id: int
+    job_id: str
+
+
+@dataclass(frozen=True)
+class GetJob:
+    request_id: int
+    job_id: str
+
+
+@dataclass(frozen=True)
+class TriggerJob:
+    """Fire ``job_id`` now on behalf of ``source_run_id`` (a ``trigger:`` handler or an
+    ``after`` dependency); a repeated source is ignored."""
+
+    request_id: int
+    job_id: str
+    source_run_id: str
+
+
+@dataclass(frozen=True)
+class OutboxDelivered:
+    seq: int
+
+
+@dataclass(frozen=True)
+class WorkerHello:
+    """A worker (re)connects: its tiers, free slots, and the runs it still holds."""
+
+    worker_id: str
+    tiers: tuple[str, ...]
+    credits: int
+    held: tuple[tuple[str, int], ...] = ()  # (run_id, token)
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    worker_id: str
+    held: tuple[tuple[str, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class Pull:
+    """The worker has ``credits`` free slots: runs are handed out as they become ready."""
+
+    worker_id: str
+    credits: int
+
+
+@dataclass(frozen=True)
+class ReportStarted:
+    worker_id: str
+    run_id: str
+    token: int
+
+
+@dataclass(frozen=True)
+class ReportFinished:
+    """A final report. ``outcome``: ``success``, ``failed``, ``timed_out`` (the worker's own
+    timeout, a confirmed kill) or ``killed`` (stopped on the node's request)."""
+
+    worker_id: str
+    run_id: str
+    token: int
+    outcome: str
+    exit_code: int | None = None
+
+
+@dataclass(frozen=True)
+class Durable:
+    """Every batch up to and including ``batch_id`` is durable."""
+
+    batch_id: int
+
+
+Command = (
+    CreateJob
+    | UpdateJob
+    | CancelJob
+    | PauseJob
+    | ResumeJob
+    | GetJob
+    | TriggerJob
+    | OutboxDelivered
+    | WorkerHello
+    | Heartbeat
+    | Pull
+    | ReportStarted
+    | ReportFinished
+    | Durable
+)
+
+# ------------------------------------------------------------------------------- effects
+
+
+@dataclass(frozen=True)
+class Persist:
+    """Write ``records`` as one atomic batch, then acknowledge with ``Durable(batch_id)``.
+    Batches are acknowledged in order (group commit)."""
+
+    batch_id: int
+    epoch: int
+    records: tuple[Record, ...]
+
+
+@dataclass(frozen=True)
+class RunTicket:
+    """What a worker receives: the run, its attempt and fencing token, and the pinned task."""
+
+    run_id: str
+    job_id: str
+    scheduled_ms: int
+    attempt: int
+    token: int
+    version: int
+    delivery: str
+    tier: str
+    timeout_ms: int | None
+    task: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    worker_id: str
+    run: RunTicket
+
+
+@dataclass(frozen=True)
+class Kill:
+    """Ask ``worker_id`` to stop the attempt ``token`` of ``run_id``."""
+
+    worker_id: str
+    run_id: str
+    token: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Reply:
+    request_id: int
+    result: dict[str, Any] | None = None
+    error: EngineError | None = None
+
+
+@dataclass(frozen=True)
+class Trigger:
+    """Deliver ``TriggerJob(job_id, source_run_id)`` to the job's shard (at least once), then
+    acknowledge with ``OutboxDelivered(seq)``."""
+
+    seq: int
+    job_id: str
+    source_run_id: str
+
+
+@dataclass(frozen=True)
+class ClockJump:
+    """The wall clock ran ahead of the monotonic clock by more than the bound; the engine
+    keeps following the monotonic clock, so nothing fires early."""
+
+    wall_ms: int
+    engine_ms: int
+
+
+Effect = Persist | Dispatch | Kill | Reply | Trigger | ClockJump
+
+
+@dataclass
+class Effects:
+    """Effects of one call, in order. A thin list with typed views for drivers and tests."""
+
+    items: list[Effect] = field(default_factory=list)
+
+    def of(self, kind: type[Any]) -> list[Any]:
+        return [e for e in self.items if isinstance(e, kind)]

@@ -1,0 +1,1102 @@
+"""The state machine of one shard: jobs, runs, delivery modes, timeouts and policies.
+
+Owns every decision a node makes for a shard: when a job fires, what is persisted before what,
+which worker gets which run, when a lease or a timeout has lapsed, what a handler does, what
+recovery does with runs that were in flight. Commands, durable-acknowledgements and the time go
+in (:meth:`ShardEngine.handle`, :meth:`ShardEngine.tick`); effects come out (records to persist,
+runs to dispatch, replies, kills, cross-shard triggers). Must never do I/O, read a clock or draw
+randomness: the Trio node and the SimPy harness drive the very same code.
+
+State changes go through :meth:`ShardEngine._apply` of a record, live and on recovery alike, so a
+recovered engine is the fold of its durable records (DESIGN.md, "Delivery semantics").
+
+The rules, in short (the table of run states is :data:`engine.runs.TRANSITIONS`):
+
+* Firing creates the run PENDING and advances the job in one batch; the run is handed out only
+  once that batch is durable.
+* at-most-once: the CLAIMED record is durable before the run is sent. Retries only after a
+  confirmed final report. A run whose worker vanished is LOST after the reattach grace.
+* at-least-once: sent when claimed, the claim persisted in the same call's batch. Until a final
+  state is durable, it goes out again (attempt + 1, a higher token) when its worker's lease
+  lapses or after a restart's reattach grace.
+* Replies to job commands leave only after their batch is durable.
+* Every owed fire time ends up as a run or inside a ``skip`` record with its reason.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine import records as rec
+from engine.effects import (
+    CancelJob,
+    ClockJump,
+    Command,
+    CreateJob,
+    Dispatch,
+    Durable,
+    Effect,
+    GetJob,
+    Heartbeat,
+    Kill,
+    OutboxDelivered,
+    PauseJob,
+    Persist,
+    Pull,
+    Reply,
+    ReportFinished,
+    ReportStarted,
+    ResumeJob,
+    RunTicket,
+    Trigger,
+    TriggerJob,
+    UpdateJob,
+    WorkerHello,
+)
+from engine.errors import EngineError, EngineStateError, EngineUsageError, TimeWentBackwards
+from engine.jobs import JobSpec, retry_delay_ms, validate_job
+from engine.records import Record
+from engine.runs import (
+    FINAL_STATES,
+    IN_FLIGHT_STATES,
+    RunEvent,
+    RunState,
+    fencing_token,
+    parse_run_id,
+    run_id,
+    transition,
+)
+from engine.wheel import TimingWheel
+
+RunRef = tuple[int, int]  # (job key, scheduled ms)
+
+
+class StaleEpoch(EngineStateError):
+    """A command or record from an older epoch of this shard: its owner has been fenced off."""
+
+    code = "stale_epoch"
+
+
+class JobNotFound(EngineUsageError):
+    code = "not_found"
+
+
+class JobExists(EngineUsageError):
+    code = "exists"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Tunables; every duration in ms. Defaults suit a production node."""
+
+    worker_lease_ms: int = 10_000
+    #: after a restart, or after an at-most-once run's worker lease lapsed (>= worker lease)
+    reattach_grace_ms: int = 20_000
+    #: the node's timeout is start + timeout + this, so the worker's own timeout acts first
+    timeout_grace_ms: int = 5_000
+    #: a fire more than this late counts as missed: the catch-up policy applies
+    misfire_ms: int = 60_000
+    #: runs waiting per tier before firing pauses for that tier
+    ready_bound: int = 10_000
+    #: how far the wall clock may run ahead of the monotonic clock before it is distrusted
+    max_clock_jump_ms: int = 5_000
+    #: bound on fire times enumerated by one catch-up decision
+    max_enumerate: int = 100_000
+
+    def __post_init__(self) -> None:
+        if self.reattach_grace_ms < self.worker_lease_ms:
+            raise EngineUsageError(
+                "reattach grace must be at least the worker lease", field="reattach_grace_ms"
+            )
+
+
+@dataclass(slots=True)
+class _Job:
+    key: int
+    spec: JobSpec
+    version: int
+    next_due: int | None  # next owed fire time; None when the schedule is exhausted
+    acct: int  # every owed fire time <= acct is accounted for
+    paused: bool = False
+    gone: bool = False
+    active: set[RunRef] = field(default_factory=set)  # runs not final
+    buffered: RunRef | None = None  # overlap=buffer_one: the run waiting for the previous
+    skip_reason: str = "catchup"  # the reason for late fires: "paused" right after a resume
+
+
+@dataclass(slots=True)
+class _Run:
+    key: int
+    at: int
+    spec: JobSpec  # pinned: the job version this run was created from
+    version: int
+    state: RunState = RunState.PENDING
+    attempt: int = 1
+    token: int = 0
+    worker: str | None = None
+    due: int | None = None  # a retry's ready time
+    failures: int = 0
+    timeouts: int = 0
+    source: str | None = None
+    exit: int | None = None
+    why: str | None = None
+    slot: int = -1  # timer slot while in memory
+    queued: bool = False  # in a ready queue
+    grace: bool = False  # waiting for its worker to re-attach
+
+    @property
+    def ref(self) -> RunRef:
+        return (self.key, self.at)
+
+    @property
+    def run_id(self) -> str:
+        return run_id(self.spec.id, self.at)
+
+
+@dataclass(slots=True)
+class _Worker:
+    worker_id: str
+    tiers: tuple[str, ...]
+    credits: int
+    slot: int
+    runs: set[RunRef] = field(default_factory=set)
+
+
+class ShardEngine:
+    """One shard's jobs and runs. Not thread-safe; one driver calls it.
+
+    Every call takes the wall and monotonic clocks in ms. The engine's own time never goes
+    backwards and never follows the wall clock further ahead than the monotonic clock allows
+    (plus ``max_clock_jump_ms``): a forward jump is reported as :class:`ClockJump` and nothing
+    fires early. A monotonic clock that goes backwards is a :class:`TimeWentBackwards` error.
+    """
+
+    def __init__(
+        self,
+        *,
+        epoch: int,
+        wall_ms: int,
+        mono_ms: int,
+        config: EngineConfig | None = None,
+    ) -> None:
+        self.config = config or EngineConfig()
+        self.epoch = epoch
+        self._wall = wall_ms
+        self._mono = mono_ms
+        self._jumped = False
+        self._counter = 0  # fencing tokens handed out in this epoch
+        self._batch = 0  # last batch id handed out
+        self._durable = 0  # last batch id acknowledged
+        self._jobs: dict[int, _Job] = {}
+        self._ids: dict[str, int] = {}
+        self._next_key = 0
+        self._runs: dict[RunRef, _Run] = {}
+        self._sources: dict[str, RunRef] = {}  # triggered runs by source run id
+        self._workers: dict[str, _Worker] = {}
+        self._ready: dict[str, deque[RunRef]] = {}
+        # PENDING runs in memory per tier (ready, waiting for durability, a retry or a buffer):
+        # what backpressure bounds.
+        self._pending: dict[str, int] = {}
+        self._fire: dict[str, TimingWheel] = {}  # per tier: job key -> next fire (engine time)
+        self._retry = TimingWheel(max(wall_ms, 0))  # run slot -> retry ready time (engine time)
+        self._run_timers = TimingWheel(max(mono_ms, 0))  # run slot -> timeout / grace (mono)
+        self._run_timer_kind: dict[int, str] = {}
+        self._worker_timers = TimingWheel(max(mono_ms, 0))  # worker slot -> lease end (mono)
+        self._slot_run: dict[int, RunRef] = {}
+        self._slot_worker: dict[int, str] = {}
+        self._free_slots: list[int] = []
+        self._next_slot = 0
+        self._outbox: dict[int, Record] = {}
+        self._outbox_seq = 0
+        # Effects waiting for a batch to be durable: batch id -> effects / runs to queue.
+        self._held: dict[int, list[Effect]] = {}
+        self._held_ready: dict[int, list[RunRef]] = {}
+        # Current call's output.
+        self._records: list[Record] = []
+        self._out: list[Effect] = []
+        self._after_durable: list[Effect] = []
+        self._ready_after_durable: list[RunRef] = []
+
+    # =============================================================== recovery
+
+    @classmethod
+    def recover(
+        cls,
+        durable_records: Iterable[Record],
+        *,
+        epoch: int,
+        wall_ms: int,
+        mono_ms: int,
+        config: EngineConfig | None = None,
+    ) -> tuple[ShardEngine, list[Effect]]:
+        """Rebuild a shard from its durable records and open it for ``epoch``.
+
+        Returns the engine and the effects of opening: a batch with the ``epoch`` record, and
+        the triggers still in the outbox. Runs that were in flight wait ``reattach_grace_ms``
+        for their workers to re-announce them; then at-least-once runs go out again and
+        at-most-once runs become LOST. Raises :class:`StaleEpoch` when the records carry an
+        epoch at or above ``epoch`` (another owner opened the shard since).
+        """
+        engine = cls(epoch=epoch, wall_ms=wall_ms, mono_ms=mono_ms, config=config)
+        for record in durable_records:
+            engine._apply(rec.check(record), recovering=True)
+        engine._after_recovery()
+        engine._emit(rec.make("epoch", epoch=epoch))
+        for seq, out in sorted(engine._outbox.items()):
+            engine._after_durable.append(Trigger(seq, out["job"], out["src"]))
+        return engine, engine._finish()
+
+    def _after_recovery(self) -> None:
+        for job in self._jobs.values():
+            if not job.gone and not job.paused and job.next_due is not None:
+                self._fire_wheel(job.spec.policy.tier).schedule(job.key, job.next_due)
+        for run in self._runs.values():
+            if run.state is RunState.PENDING:
+                self._count_pending(run, +1)
+            run.slot = self._alloc_slot()
+            self._slot_run[run.slot] = run.ref
+            if run.state in IN_FLIGHT_STATES:
+                run.worker = None
+                run.grace = True
+                self._set_run_timer(run, "grace", self._mono + self.config.reattach_grace_ms)
+            elif run.state is RunState.PENDING:
+                self._queue_or_wait(run)
+
+    # =============================================================== the entry points
+
+    def handle(self, command: Command, wall_ms: int, mono_ms: int) -> list[Effect]:
+        """Apply ``command`` at the given time; return the effects, in order.
+
+        Time first moves to ``(wall_ms, mono_ms)`` (firing what is due), then the command
+        applies. A command the engine refuses is answered by a :class:`Reply` carrying the
+        typed error and changes nothing.
+        """
+        self._clock(wall_ms, mono_ms)
+        self._run_due()
+        if isinstance(command, Durable):
+            self._on_durable(command.batch_id)
+        else:
+            handler = _HANDLERS[type(command)]
+            request_id = getattr(command, "request_id", None)
+            try:
+                handler(self, command)
+            except EngineError as error:
+                if request_id is None:
+                    raise
+                self._out.append(Reply(request_id, error=error))
+            self._dispatch_all()
+        return self._finish()
+
+    def tick(self, wall_ms: int, mono_ms: int) -> list[Effect]:
+        """Move time forward: fire due jobs, release retries, expire leases and timeouts."""
+        self._clock(wall_ms, mono_ms)
+        self._run_due()
+        return self._finish()
+
+    def next_wakeup_mono(self) -> int | None:
+        """The monotonic time by which :meth:`tick` should next be called (None: nothing
+        scheduled). Wall-clock deadlines are converted with the current offset; waking early
+        is harmless."""
+        offset = self._mono - self._wall
+        candidates: list[int] = []
+        for tier, wheel in self._fire.items():
+            if self._tier_open(tier):
+                due = wheel.next_due()
+                if due is not None:
+                    candidates.append(due + offset)
+        for wheel, shift in (
+            (self._retry, offset),
+            (self._run_timers, 0),
+            (self._worker_timers, 0),
+        ):
+            due = wheel.next_due()
+            if due is not None:
+                candidates.append(due + shift)
+        return max(min(candidates), self._mono) if candidates else None
+
+    @property
+    def now_ms(self) -> int:
+        """The engine's time (wall-clock ms, never backwards, never ahead of the monotonic
+        clock's pace by more than the jump bound)."""
+        return self._wall
+
+    # =============================================================== clocks and timers
+
+    def _clock(self, wall_ms: int, mono_ms: int) -> None:
+        if mono_ms < self._mono:
+            raise TimeWentBackwards(
+                f"monotonic time {mono_ms} is before {self._mono}", field="mono_ms"
+            )
+        expected = self._wall + (mono_ms - self._mono)
+        if wall_ms > expected + self.config.max_clock_jump_ms:
+            if not self._jumped:
+                self._out.append(ClockJump(wall_ms=wall_ms, engine_ms=expected))
+            self._jumped = True
+            new_wall = expected
+        else:
+            self._jumped = False
+            new_wall = max(self._wall, wall_ms)
+        self._wall, self._mono = new_wall, mono_ms
+
+    def _run_due(self) -> None:
+        """Everything that time makes happen, in a fixed order (determinism)."""
+        for _due, slot in self._worker_timers.advance(self._mono):
+            self._lease_lapsed(slot)
+        for _due, slot in self._run_timers.advance(self._mono):
+            self._run_timer_fired(slot)
+        for _due, slot in self._retry.advance(self._wall):
+            ref = self._slot_run.get(slot)
+            run = self._runs.get(ref) if ref is not None else None
+            if run is not None and run.state is RunState.PENDING:
+                run.due = None
+                self._enqueue(run)
+        for tier in sorted(self._fire):
+            self._fire_tier(tier)
+        self._dispatch_all()
+
+    def _alloc_slot(self) -> int:
+        if self._free_slots:
+            return self._free_slots.pop()
+        self._next_slot += 1
+        return self._next_slot - 1
+
+    def _set_run_timer(self, run: _Run, kind: str, at_mono: int) -> None:
+        self._run_timers.schedule(run.slot, at_mono)
+        self._run_timer_kind[run.slot] = kind
+
+    def _clear_run_timer(self, run: _Run) -> None:
+        self._run_timers.cancel(run.slot)
+        self._run_timer_kind.pop(run.slot, None)
+
+    def _fire_wheel(self, tier: str) -> TimingWheel:
+        wheel = self._fire.get(tier)
+        if wheel is None:
+            wheel = self._fire[tier] = TimingWheel(max(self._wall, 0))
+        return wheel
+
+    def _tier_open(self, tier: str) -> bool:
+        return self._pending.get(tier, 0) < self.config.ready_bound
+
+    def _count_pending(self, run: _Run, delta: int) -> None:
+        tier = run.spec.policy.tier
+        self._pending[tier] = self._pending.get(tier, 0) + delta
+
+    def _move(self, run: _Run, event: RunEvent) -> None:
+        """Apply ``event`` to ``run`` by the table, keeping the per-tier PENDING count."""
+        old = run.state
+        run.state = transition(old, event)
+        if old is RunState.PENDING and run.state is not RunState.PENDING:
+            self._count_pending(run, -1)
+        elif run.state is RunState.PENDING and old is not RunState.PENDING:
+            self._count_pending(run, +1)
+
+    # =============================================================== output
+
+    def _emit(self, record: Record) -> None:
+        record["e"] = self.epoch
+        self._apply(record, recovering=False)
+        self._records.append(record)
+
+    def _finish(self) -> list[Effect]:
+        """Close the call: its records become one batch; what must wait for durability is
+        attached to that batch (or to the last one still in flight, or released at once)."""
+        if not self._records and self._batch <= self._durable:
+            # Nothing in flight to wait for. Releasing may claim runs, which makes records.
+            waiting, self._after_durable = self._after_durable, []
+            self._out.extend(waiting)
+            ready, self._ready_after_durable = self._ready_after_durable, []
+            for ref in ready:
+                run = self._runs.get(ref)
+                if run is not None and run.state is RunState.PENDING and run.due is None:
+                    self._enqueue(run)
+            if ready:
+                self._dispatch_all()
+        out = self._out
+        if self._records:
+            self._batch += 1
+            out.insert(0, Persist(self._batch, self.epoch, tuple(self._records)))
+        if self._after_durable:
+            self._held.setdefault(self._batch, []).extend(self._after_durable)
+        if self._ready_after_durable:
+            self._held_ready.setdefault(self._batch, []).extend(self._ready_after_durable)
+        self._records, self._out = [], []
+        self._after_durable, self._ready_after_durable = [], []
+        return out
+
+    def _on_durable(self, batch_id: int) -> None:
+        if batch_id > self._batch:
+            raise EngineUsageError(
+                f"batch {batch_id} was never handed out (last {self._batch})", field="batch_id"
+            )
+        for b in range(self._durable + 1, batch_id + 1):
+            self._out.extend(self._held.pop(b, ()))
+            for ref in self._held_ready.pop(b, ()):
+                run = self._runs.get(ref)
+                if run is not None and run.state is RunState.PENDING and run.due is None:
+                    self._enqueue(run)
+        self._durable = max(self._durable, batch_id)
+        self._dispatch_all()
+
+    def _reply_after_durable(self, request_id: int, result: dict[str, Any]) -> None:
+        self._after_durable.append(Reply(request_id, result=result))
+
+    # =============================================================== records
+
+    def _apply(self, r: Record, *, recovering: bool) -> None:
+        """The one place state changes; the live path and recovery both come through here."""
+        kind = r["t"]
+        if recovering and r.get("e", 0) > self.epoch:
+            raise StaleEpoch(f"record of epoch {r.get('e')} is newer than {self.epoch}")
+        if kind == "job":
+            spec = validate_job(r["spec"], now_ms=self._wall)
+            job = self._jobs.get(r["key"])
+            if job is None:
+                job = _Job(r["key"], spec, r["ver"], None, self._wall - 1)
+                self._jobs[r["key"]] = job
+                self._next_key = max(self._next_key, r["key"] + 1)
+            job.spec, job.version = spec, r["ver"]
+            self._ids[spec.id] = r["key"]
+        elif kind == "pos":
+            job = self._jobs[r["key"]]
+            job.next_due, job.acct, job.paused, job.gone = (
+                r["next"],
+                r["acct"],
+                r["paused"],
+                r["gone"],
+            )
+        elif kind == "run":
+            self._apply_run(r, recovering)
+        elif kind == "out":
+            self._outbox[r["seq"]] = r
+            self._outbox_seq = max(self._outbox_seq, r["seq"])
+        elif kind == "outdone":
+            self._outbox.pop(r["seq"], None)
+        elif kind == "epoch":
+            if recovering and r["epoch"] >= self.epoch:
+                raise StaleEpoch(f"shard already opened at epoch {r['epoch']} (>= {self.epoch})")
+        # "skip" and "note" are history only: nothing in memory depends on them.
+
+    def _apply_run(self, r: Record, recovering: bool) -> None:
+        ref = (r["key"], r["at"])
+        state = RunState(r["state"])
+        job = self._jobs[r["key"]]
+        run = self._runs.get(ref)
+        if run is None:
+            spec = (
+                job.spec if r["ver"] == job.version else validate_job(r["spec"], now_ms=self._wall)
+            )
+            run = _Run(r["key"], r["at"], spec, r["ver"])
+            self._runs[ref] = run
+        run.state, run.attempt, run.token, run.worker = state, r["att"], r["tok"], r["w"]
+        run.due, run.failures, run.timeouts = r["due"], r["fail"], r["tmo"]
+        run.source, run.exit, run.why = r["src"], r["exit"], r["why"]
+        if run.source is not None:
+            self._sources[run.source] = ref
+        if state in FINAL_STATES:
+            job.active.discard(ref)
+            if job.buffered == ref:
+                job.buffered = None
+            if not recovering:
+                return  # the live path releases the run itself (timers, queues)
+            del self._runs[ref]
+        else:
+            job.active.add(ref)
+            if r.get("buf"):
+                job.buffered = ref
+            elif job.buffered == ref:
+                job.buffered = None
+
+    def _persist_run(self, run: _Run, *, buffered: bool = False) -> None:
+        record = rec.make(
+            "run",
+            key=run.key,
+            at=run.at,
+            state=run.state.value,
+            att=run.attempt,
+            tok=run.token,
+            w=run.worker,
+            ver=run.version,
+            due=run.due,
+            fail=run.failures,
+            tmo=run.timeouts,
+            src=run.source,
+            exit=run.exit,
+            why=run.why,
+        )
+        if buffered:
+            record["buf"] = True
+        if run.version != self._jobs[run.key].version or (
+            run.attempt == 1 and run.state is RunState.PENDING
+        ):
+            # The pinned spec travels with the run's first record (and whenever it differs
+            # from the job's current version), so recovery can rebuild what this run executes.
+            record["spec"] = run.spec.to_dict()
+        self._emit(record)
+
+    def _persist_pos(self, job: _Job) -> None:
+        self._emit(
+            rec.make(
+                "pos",
+                key=job.key,
+                next=job.next_due,
+                acct=job.acct,
+                paused=job.paused,
+                gone=job.gone,
+            )
+        )
+
+    # =============================================================== job commands
+
+    def _job(self, job_id: str) -> _Job:
+        key = self._ids.get(job_id)
+        job = self._jobs.get(key) if key is not None else None
+        if job is None or job.gone:
+            raise JobNotFound(f"no job {job_id!r}", field="id")
+        return job
+
+    def _create(self, cmd: CreateJob) -> None:
+        spec = cmd.spec
+        existing = self._ids.get(spec.id)
+        if existing is not None and not self._jobs[existing].gone and not spec.replace:
+            raise JobExists(f"job {spec.id!r} exists (set replace to overwrite)", field="id")
+        if existing is not None and not self._jobs[existing].gone:
+            self._update(UpdateJob(cmd.request_id, spec))
+            return
+        key = existing if existing is not None else self._next_key
+        self._next_key = max(self._next_key, key + 1)
+        version = self._jobs[key].version + 1 if existing is not None else 1
+        self._emit(rec.make("job", key=key, id=spec.id, ver=version, spec=spec.to_dict()))
+        job = self._jobs[key]
+        job.gone, job.buffered = False, None
+        job.acct = self._wall - 1  # nothing before its creation is owed
+        job.paused = spec.paused
+        job.next_due = self._first_due(spec)
+        self._persist_pos(job)
+        self._arm(job)
+        self._reply_after_durable(cmd.request_id, self._describe(job))
+
+    def _first_due(self, spec: JobSpec) -> int | None:
+        # A one-shot time already past is still owed: the caller asked for that run.
+        nxt = spec.schedule.next_after(self._wall - 1)
+        if nxt is None and spec.schedule.to_spec().get("at") is not None:
+            at = spec.schedule.next_after(-(2**62))
+            return at
+        return nxt
+
+    def _update(self, cmd: UpdateJob) -> None:
+        job = self._job(cmd.spec.id)
+        old_tier = job.spec.policy.tier
+        self._fire_wheel(old_tier).cancel(job.key)
+        if job.next_due is not None and job.next_due <= self._wall:
+            # Owed under the old version but not fired (paused, or its tier was full): the
+            # new version replaces them, and the record says so.
+            why = "paused" if job.paused else "updated"
+            self._emit(rec.make("skip", key=job.key, lo=job.next_due, hi=self._wall, n=-1, why=why))
+        self._emit(
+            rec.make(
+                "job", key=job.key, id=job.spec.id, ver=job.version + 1, spec=cmd.spec.to_dict()
+            )
+        )
+        job.paused = cmd.spec.paused
+        job.acct = max(job.acct, self._wall)
+        job.next_due = self._first_due_after_update(job)
+        self._persist_pos(job)
+        self._arm(job)
+        self._reply_after_durable(cmd.request_id, self._describe(job))
+
+    def _first_due_after_update(self, job: _Job) -> int | None:
+        return job.spec.schedule.next_after(job.acct)
+
+    def _cancel(self, cmd: CancelJob) -> None:
+        job = self._job(cmd.job_id)
+        self._fire_wheel(job.spec.policy.tier).cancel(job.key)
+        job.gone = True
+        self._persist_pos(job)
+        for ref in sorted(job.active):
+            run = self._runs[ref]
+            if run.state is RunState.PENDING:
+                self._finalize(run, RunEvent.CANCEL, why="job cancelled")
+            elif cmd.stop_running:
+                if run.worker is not None:
+                    self._out.append(Kill(run.worker, run.run_id, run.token, "job cancelled"))
+                self._finalize(run, RunEvent.CANCEL, why="job cancelled")
+        self._reply_after_durable(cmd.request_id, {"id": cmd.job_id, "cancelled": True})
+
+    def _pause(self, cmd: PauseJob) -> None:
+        job = self._job(cmd.job_id)
+        if not job.paused:
+            self._fire_wheel(job.spec.policy.tier).cancel(job.key)
+            job.paused = True
+            self._persist_pos(job)
+        self._reply_after_durable(cmd.request_id, self._describe(job))
+
+    def _resume(self, cmd: ResumeJob) -> None:
+        job = self._job(cmd.job_id)
+        if job.paused:
+            job.paused = False
+            job.skip_reason = "paused"  # fire times missed while paused are skipped as such
+            self._persist_pos(job)
+            self._arm(job)
+        self._reply_after_durable(cmd.request_id, self._describe(job))
+
+    def _get(self, cmd: GetJob) -> None:
+        self._out.append(Reply(cmd.request_id, result=self._describe(self._job(cmd.job_id))))
+
+    def _arm(self, job: _Job) -> None:
+        if not job.gone and not job.paused and job.next_due is not None:
+            self._fire_wheel(job.spec.policy.tier).schedule(job.key, job.next_due)
+
+    def _describe(self, job: _Job) -> dict[str, Any]:
+        return {
+            "id": job.spec.id,
+            "version": job.version,
+            "next_fire_ms": None if job.paused else job.next_due,
+            "paused": job.paused,
+            "active_runs": sorted(run_id(job.spec.id, at) for _k, at in job.active),
+        }
+
+    # =============================================================== firing
+
+    def _fire_tier(self, tier: str) -> None:
+        wheel = self._fire[tier]
+        while self._tier_open(tier):
+            nd = wheel.next_due()
+            if nd is None or nd > self._wall:
+                return
+            room = self.config.ready_bound - self._pending.get(tier, 0)
+            # Advance to the earliest due only: a burst is taken a slot at a time, so a full
+            # ready queue stops firing instead of materialising every run of the burst.
+            fired = wheel.advance(max(nd, wheel.now_ms))
+            for n, (due, key) in enumerate(fired):
+                if n >= room:
+                    wheel.schedule(key, due)  # back, still due: fires once there is room
+                    continue
+                self._fire_job(self._jobs[key], due)
+
+    def _fire_job(self, job: _Job, due: int) -> None:
+        if job.gone or job.paused or job.next_due != due:
+            return
+        sched, policy, now = job.spec.schedule, job.spec.policy, self._wall
+        late = now - due > self.config.misfire_ms
+        run_at: list[int] = []
+        if not late:
+            run_at.append(due)
+            nxt = sched.next_after(due)
+            job.skip_reason = "catchup"
+        else:
+            owed, nxt = self._owed(job, due, now)
+            reason = job.skip_reason
+            if policy.catchup == "skip":
+                keep: list[int] = []
+            elif policy.catchup == "latest":
+                keep = owed[-1:]
+            else:
+                window = [t for t in owed if t >= now - policy.catchup_window_ms]
+                keep = window[-policy.max_catchup :]
+            keep_set = set(keep)
+            self._skip_ranges(job, [t for t in owed if t not in keep_set], reason)
+            run_at.extend(keep)
+            if nxt is not None and nxt <= now:
+                # Enumeration stopped at its bound: the rest of the gap is one range record
+                # whose count is unknown (-1): every fire time in [lo, hi].
+                self._emit(rec.make("skip", key=job.key, lo=nxt, hi=now, n=-1, why=reason))
+                nxt = sched.next_after(now)
+        for at in run_at:
+            self._new_run(job, at)
+        last = max([due, *run_at])
+        job.acct = max(job.acct, last if nxt is None else nxt - 1)
+        job.next_due = nxt
+        self._persist_pos(job)
+        self._arm(job)
+
+    def _owed(self, job: _Job, first: int, now: int) -> tuple[list[int], int | None]:
+        """Fire times from ``first`` up to ``now`` (bounded), and the next one after them."""
+        owed = [first]
+        t: int | None = first
+        sched = job.spec.schedule
+        while len(owed) < self.config.max_enumerate:
+            t = sched.next_after(owed[-1])
+            if t is None or t > now:
+                return owed, t
+            owed.append(t)
+        return owed, sched.next_after(owed[-1])
+
+    def _skip_ranges(self, job: _Job, times: list[int], reason: str) -> None:
+        if times:
+            self._emit(
+                rec.make(
+                    "skip", key=job.key, lo=min(times), hi=max(times), n=len(times), why=reason
+                )
+            )
+
+    def _new_run(self, job: _Job, at: int, source: str | None = None) -> None:
+        ref = (job.key, at)
+        if ref in self._runs:
+            return  # one run per fire time: a repeated creation is a no-op
+        overlap = job.spec.policy.overlap
+        busy = [r for r in sorted(job.active) if r != job.buffered]
+        buffered = False
+        if busy and overlap == "skip":
+            self._skip_ranges(job, [at], "overlap")
+            return
+        if busy and overlap == "buffer_one":
+            if job.buffered is not None:
+                self._skip_ranges(job, [at], "overlap")
+                return
+            buffered = True
+        if busy and overlap == "cancel_previous":
+            for r in busy:
+                prev = self._runs[r]
+                if prev.worker is not None and prev.state in IN_FLIGHT_STATES:
+                    self._out.append(Kill(prev.worker, prev.run_id, prev.token, "cancel_previous"))
+                self._finalize(prev, RunEvent.CANCEL, why="cancel_previous")
+        run = _Run(job.key, at, job.spec, job.version, source=source)
+        self._count_pending(run, +1)
+        run.slot = self._alloc_slot()
+        self._slot_run[run.slot] = ref
+        self._runs[ref] = run
+        if source is not None:
+            self._sources[source] = ref
+        self._persist_run(run, buffered=buffered)
+        if buffered:
+            job.buffered = ref
+        else:
+            self._ready_after_durable.append(ref)
+
+    # =============================================================== triggers and outbox
+
+    def _trigger(self, cmd: TriggerJob) -> None:
+        if cmd.source_run_id in self._sources:
+            self._out.append(Reply(cmd.request_id, result={"duplicate": True}))
+            return
+        job = self._job(cmd.job_id)
+        at = self._wall
+        while (job.key, at) in self._runs:
+            at += 1
+        self._new_run(job, at, source=cmd.source_run_id)
+        self._reply_after_durable(cmd.request_id, {"run_id": run_id(job.spec.id, at)})
+
+    def _send_trigger(self, target_job: str, source: _Run) -> None:
+        self._outbox_seq += 1
+        seq = self._outbox_seq
+        self._emit(rec.make("out", seq=seq, job=target_job, src=source.run_id))
+        self._after_durable.append(Trigger(seq, target_job, source.run_id))
+
+    def _outbox_delivered(self, cmd: OutboxDelivered) -> None:
+        if cmd.seq in self._outbox:
+            self._emit(rec.make("outdone", seq=cmd.seq))
+
+    # =============================================================== workers
+
+    def _hello(self, cmd: WorkerHello) -> None:
+        if cmd.credits < 0 or not cmd.tiers:
+            raise EngineUsageError("a worker needs tiers and credits >= 0", field="credits")
+        worker = self._workers.get(cmd.worker_id)
+        if worker is None:
+            slot = self._alloc_slot()
+            worker = _Worker(cmd.worker_id, tuple(cmd.tiers), cmd.credits, slot)
+            self._workers[cmd.worker_id] = worker
+            self._slot_worker[slot] = cmd.worker_id
+        worker.tiers, worker.credits = tuple(cmd.tiers), cmd.credits
+        self._renew(worker, cmd.held)
+
+    def _heartbeat(self, cmd: Heartbeat) -> None:
+        worker = self._workers.get(cmd.worker_id)
+        if worker is None:
+            raise EngineUsageError(
+                f"unknown worker {cmd.worker_id!r}: say hello", field="worker_id"
+            )
+        self._renew(worker, cmd.held)
+
+    def _renew(self, worker: _Worker, held: tuple[tuple[str, int], ...]) -> None:
+        self._worker_timers.schedule(worker.slot, self._mono + self.config.worker_lease_ms)
+        for rid, token in held:
+            run = self._run_by_id(rid)
+            if run is None or run.token != token or run.state not in IN_FLIGHT_STATES:
+                # A superseded or finished attempt: the worker must not carry on with it.
+                self._out.append(Kill(worker.worker_id, rid, token, "superseded"))
+                continue
+            if run.worker != worker.worker_id:
+                run.worker = worker.worker_id
+                run.grace = False
+                worker.runs.add(run.ref)
+                self._clear_run_timer(run)
+                self._arm_timeout(run)
+
+    def _pull(self, cmd: Pull) -> None:
+        worker = self._workers.get(cmd.worker_id)
+        if worker is None:
+            raise EngineUsageError(
+                f"unknown worker {cmd.worker_id!r}: say hello", field="worker_id"
+            )
+        if cmd.credits < 0:
+            raise EngineUsageError("credits must be >= 0", field="credits")
+        worker.credits = cmd.credits
+
+    def _lease_lapsed(self, slot: int) -> None:
+        worker_id = self._slot_worker.pop(slot, None)
+        if worker_id is None:
+            return
+        worker = self._workers.pop(worker_id)
+        self._free_slots.append(slot)
+        for ref in sorted(worker.runs):
+            run = self._runs.get(ref)
+            if run is None or run.worker != worker_id or run.state not in IN_FLIGHT_STATES:
+                continue
+            run.worker = None
+            self._clear_run_timer(run)
+            if run.spec.policy.delivery == "at_least_once":
+                self._requeue(run, "worker lease lapsed")
+            else:
+                run.grace = True
+                self._set_run_timer(run, "grace", self._mono + self.config.reattach_grace_ms)
+
+    def _requeue(self, run: _Run, why: str) -> None:
+        self._move(run, RunEvent.REQUEUE)
+        run.attempt += 1
+        run.worker, run.grace, run.why = None, False, why
+        self._persist_run(run)
+        self._enqueue(run)
+
+    def _run_timer_fired(self, slot: int) -> None:
+        kind = self._run_timer_kind.pop(slot, None)
+        ref = self._slot_run.get(slot)
+        run = self._runs.get(ref) if ref is not None else None
+        if run is None or kind is None or run.state not in IN_FLIGHT_STATES:
+            return
+        if kind == "grace":
+            if run.spec.policy.delivery == "at_least_once":
+                self._requeue(run, "not re-attached within the grace")
+            else:
+                self._finalize(run, RunEvent.LOSE, why="outcome unknown: worker gone")
+        else:  # the node-side timeout
+            self._timed_out(run, confirmed=False)
+
+    def _arm_timeout(self, run: _Run) -> None:
+        timeout = run.spec.policy.timeout_ms
+        if timeout is not None:
+            self._set_run_timer(run, "timeout", self._mono + timeout + self.config.timeout_grace_ms)
+
+    # =============================================================== dispatch
+
+    def _enqueue(self, run: _Run) -> None:
+        if not run.queued:
+            run.queued = True
+            self._ready.setdefault(run.spec.policy.tier, deque()).append(run.ref)
+
+    def _queue_or_wait(self, run: _Run) -> None:
+        if run.due is not None and run.due > self._wall:
+            self._retry.schedule(run.slot, run.due)
+        elif self._jobs[run.key].buffered != run.ref:
+            run.due = None
+            self._enqueue(run)
+
+    def _dispatch_all(self) -> None:
+        for worker_id in sorted(self._workers):
+            worker = self._workers[worker_id]
+            while worker.credits > 0:
+                run = self._next_ready(worker.tiers)
+                if run is None:
+                    break
+                self._claim(worker, run)
+
+    def _next_ready(self, tiers: tuple[str, ...]) -> _Run | None:
+        for tier in tiers:
+            queue = self._ready.get(tier)
+            while queue:
+                run = self._runs.get(queue.popleft())
+                if run is not None and run.queued and run.state is RunState.PENDING:
+                    run.queued = False
+                    return run
+                if run is not None:
+                    run.queued = False
+        return None
+
+    def _claim(self, worker: _Worker, run: _Run) -> None:
+        self._move(run, RunEvent.CLAIM)
+        self._counter += 1
+        run.token = fencing_token(self.epoch, self._counter)
+        run.worker = worker.worker_id
+        worker.credits -= 1
+        worker.runs.add(run.ref)
+        self._persist_run(run)
+        self._arm_timeout(run)
+        policy = run.spec.policy
+        ticket = RunTicket(
+            run_id=run.run_id,
+            job_id=run.spec.id,
+            scheduled_ms=run.at,
+            attempt=run.attempt,
+            token=run.token,
+            version=run.version,
+            delivery=policy.delivery,
+            tier=policy.tier,
+            timeout_ms=policy.timeout_ms,
+            task=run.spec.task,
+        )
+        if policy.delivery == "at_most_once":
+            self._after_durable.append(Dispatch(worker.worker_id, ticket))  # claim first
+        else:
+            self._out.append(Dispatch(worker.worker_id, ticket))
+
+    # =============================================================== reports
+
+    def _run_by_id(self, rid: str) -> _Run | None:
+        try:
+            job_id, at = parse_run_id(rid)
+        except EngineUsageError:
+            return None
+        key = self._ids.get(job_id)
+        return self._runs.get((key, at)) if key is not None else None
+
+    def _matching(self, worker_id: str, rid: str, token: int, what: str) -> _Run | None:
+        run = self._run_by_id(rid)
+        if run is not None and run.token == token and run.state in IN_FLIGHT_STATES:
+            return run
+        # A report of a superseded attempt (or of a run already final): kept in the history,
+        # never changes the state.
+        try:
+            job_id, at = parse_run_id(rid)
+        except EngineUsageError:
+            raise EngineUsageError(f"not a run id: {rid!r}", field="run_id") from None
+        key = self._ids.get(job_id)
+        if key is not None:
+            self._emit(rec.make("note", key=key, at=at, tok=token, what=what, w=worker_id))
+        return None
+
+    def _started(self, cmd: ReportStarted) -> None:
+        run = self._matching(cmd.worker_id, cmd.run_id, cmd.token, "started")
+        if run is not None and run.state is RunState.CLAIMED:
+            self._move(run, RunEvent.START)
+            self._persist_run(run)
+            self._clear_run_timer(run)
+            self._arm_timeout(run)
+
+    def _finished(self, cmd: ReportFinished) -> None:
+        if cmd.outcome not in ("success", "failed", "timed_out", "killed"):
+            raise EngineUsageError(f"unknown outcome {cmd.outcome!r}", field="outcome")
+        run = self._matching(cmd.worker_id, cmd.run_id, cmd.token, cmd.outcome)
+        worker = self._workers.get(cmd.worker_id)
+        if worker is not None and run is not None:
+            worker.runs.discard(run.ref)
+            worker.credits += 1
+        if run is None:
+            return
+        run.exit = cmd.exit_code
+        if cmd.outcome == "success":
+            self._finalize(run, RunEvent.SUCCEED, why=None)
+            self._after_success(run)
+        elif cmd.outcome == "failed":
+            run.failures += 1
+            if run.failures <= run.spec.policy.retries_max:
+                self._retry_later(run, RunEvent.FAIL, run.failures, "failed")
+            else:
+                self._finalize(run, RunEvent.FAIL, why="failed")
+        elif cmd.outcome == "timed_out":
+            self._timed_out(run, confirmed=True)
+        else:  # killed on the node's request without a cancel recorded: a failure
+            self._finalize(run, RunEvent.FAIL, why="killed")
+
+    def _timed_out(self, run: _Run, *, confirmed: bool) -> None:
+        policy = run.spec.policy
+        handler = policy.on_timeout
+        if run.worker is not None and handler != "mark" and not confirmed:
+            self._out.append(Kill(run.worker, run.run_id, run.token, "timed out"))
+        run.timeouts += 1
+        retry_ok = confirmed or policy.delivery == "at_least_once"
+        if handler == "retry" and retry_ok and run.timeouts <= policy.on_timeout_retries:
+            self._retry_later(run, RunEvent.TIME_OUT, run.timeouts, "timed out")
+            return
+        self._finalize(run, RunEvent.TIME_OUT, why="timed out")
+        if handler == "trigger" and policy.on_timeout_target is not None:
+            self._send_trigger(policy.on_timeout_target, run)
+
+    def _retry_later(self, run: _Run, event: RunEvent, nth: int, why: str) -> None:
+        self._move(run, event)
+        self._move(run, RunEvent.RETRY)
+        self._release_worker(run)
+        run.attempt += 1
+        run.due = self._wall + retry_delay_ms(run.spec.policy, nth)
+        run.why = f"{why}; retry {nth}"
+        self._clear_run_timer(run)
+        self._persist_run(run)
+        self._retry.schedule(run.slot, run.due)
+
+    def _after_success(self, run: _Run) -> None:
+        for job in self._jobs.values():
+            if not job.gone and run.spec.id in job.spec.after:
+                self._send_trigger(job.spec.id, run)
+
+    def _release_worker(self, run: _Run) -> None:
+        if run.worker is not None:
+            worker = self._workers.get(run.worker)
+            if worker is not None:
+                worker.runs.discard(run.ref)
+        run.worker = None
+
+    def _finalize(self, run: _Run, event: RunEvent, *, why: str | None) -> None:
+        self._move(run, event)
+        run.why = why
+        self._persist_run(run)
+        self._release_worker(run)
+        self._clear_run_timer(run)
+        self._retry.cancel(run.slot)
+        run.queued = False
+        del self._runs[run.ref]
+        self._slot_run.pop(run.slot, None)
+        self._free_slots.append(run.slot)
+        job = self._jobs[run.key]
+        job.active.discard(run.ref)
+        if job.buffered is not None and not any(r != job.buffered for r in job.active):
+            buffered = self._runs[job.buffered]
+            job.buffered = None
+            self._persist_run(buffered)  # no longer marked buffered
+            self._ready_after_durable.append(buffered.ref)
+
+    # =============================================================== inspection (tests, sim)
+
+    def run_state(self, rid: str) -> RunState | None:
+        """The state of a run still in memory (not final), or None."""
+        run = self._run_by_id(rid)
+        return run.state if run is not None else None
+
+    def snapshot(self) -> dict[str, Any]:
+        """The durable part of the state, for comparing a live engine with a recovered one."""
+        return {
+            "jobs": {
+                job.spec.id: (job.version, job.next_due, job.acct, job.paused, job.gone)
+                for job in self._jobs.values()
+            },
+            "runs": {
+                run.run_id: (
+                    run.state.value,
+                    run.attempt,
+                    run.token,
+                    run.due,
+                    run.failures,
+                    run.timeouts,
+                )
+                for run in self._runs.values()
+            },
+            "outbox": sorted(self._outbox),
+        }
+
+
+_HANDLERS: dict[type[Any], Any] = {
+    CreateJob: ShardEngine._create,
+    UpdateJob: ShardEngine._update,
+    CancelJob: ShardEngine._cancel,
+    PauseJob: ShardEngine._pause,
+    ResumeJob: ShardEngine._resume,
+    GetJob: ShardEngine._get,
+    TriggerJob: ShardEngine._trigger,
+    OutboxDelivered: ShardEngine._outbox_delivered,
+    WorkerHello: ShardEngine._hello,
+    Heartbeat: ShardEngine._heartbeat,
+    Pull: ShardEngine._pull,
+    ReportStarted: ShardEngine._started,
+    ReportFinished: ShardEngine._finished,
+}

@@ -1,0 +1,139 @@
+"""A tiny in-memory driver for the shard engine: a fake disk that acknowledges batches when told,
+crashes that drop what was not acknowledged, and a log of everything the engine asked for."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.effects import (
+    ClockJump,
+    Command,
+    CreateJob,
+    Dispatch,
+    Durable,
+    Effect,
+    Kill,
+    Persist,
+    Reply,
+    RunTicket,
+    Trigger,
+)
+from engine.jobs import validate_job
+from engine.records import Record
+from engine.shard import EngineConfig, ShardEngine
+
+T0 = 1_767_225_600_000  # 2026-01-01T00:00:00Z
+
+
+@dataclass
+class Node:
+    """One shard on one fake node. ``auto_durable`` acknowledges every batch at once."""
+
+    # Leases longer than any test, unless a test is about leases: workers here do not heartbeat.
+    config: EngineConfig = field(
+        default_factory=lambda: EngineConfig(worker_lease_ms=10**9, reattach_grace_ms=10**9)
+    )
+    auto_durable: bool = True
+    wall: int = T0
+    mono: int = 1_000_000
+    epoch: int = 1
+    durable_records: list[Record] = field(default_factory=list)
+    unacked: list[Persist] = field(default_factory=list)
+    replies: dict[int, Reply] = field(default_factory=dict)
+    dispatches: list[tuple[int, Dispatch]] = field(default_factory=list)  # (wall, dispatch)
+    kills: list[Kill] = field(default_factory=list)
+    triggers: list[Trigger] = field(default_factory=list)
+    jumps: list[ClockJump] = field(default_factory=list)
+    next_request: int = 0
+
+    def __post_init__(self) -> None:
+        self.engine = ShardEngine(
+            epoch=self.epoch, wall_ms=self.wall, mono_ms=self.mono, config=self.config
+        )
+
+    # ------------------------------------------------------------------ driving
+
+    def absorb(self, effects: list[Effect]) -> None:
+        for effect in effects:
+            if isinstance(effect, Persist):
+                assert effect.epoch == self.epoch
+                self.unacked.append(effect)
+            elif isinstance(effect, Reply):
+                self.replies[effect.request_id] = effect
+            elif isinstance(effect, Dispatch):
+                self.dispatches.append((self.engine.now_ms, effect))
+            elif isinstance(effect, Kill):
+                self.kills.append(effect)
+            elif isinstance(effect, Trigger):
+                self.triggers.append(effect)
+            elif isinstance(effect, ClockJump):
+                self.jumps.append(effect)
+        if self.auto_durable:
+            self.flush()
+
+    def flush(self, upto: int | None = None) -> None:
+        """Acknowledge the in-flight batches (all, or those up to batch ``upto``)."""
+        while self.unacked and (upto is None or self.unacked[0].batch_id <= upto):
+            batch = self.unacked.pop(0)
+            self.durable_records.extend(batch.records)
+            self.absorb(self.engine.handle(Durable(batch.batch_id), self.wall, self.mono))
+
+    def do(self, command: Command) -> Reply | None:
+        """Send a command; return its reply if one came out (the reply may wait for a flush)."""
+        self.absorb(self.engine.handle(command, self.wall, self.mono))
+        request_id = getattr(command, "request_id", None)
+        return self.replies.get(request_id) if request_id is not None else None
+
+    def advance(self, ms: int, *, wall_extra: int = 0) -> None:
+        """Let ``ms`` pass on both clocks (the wall clock ``wall_extra`` further)."""
+        self.wall += ms + wall_extra
+        self.mono += ms
+        self.absorb(self.engine.tick(self.wall, self.mono))
+
+    def run_until(self, ms: int, step: int = 100) -> None:
+        end = self.mono + ms
+        while self.mono < end:
+            self.advance(min(step, end - self.mono))
+
+    def crash_and_recover(self, *, downtime_ms: int = 0) -> None:
+        """Lose everything not acknowledged, then reopen the shard at the next epoch."""
+        self.unacked.clear()
+        self.wall += downtime_ms
+        self.mono += downtime_ms + 1
+        self.epoch += 1
+        self.engine, effects = ShardEngine.recover(
+            list(self.durable_records),
+            epoch=self.epoch,
+            wall_ms=self.wall,
+            mono_ms=self.mono,
+            config=self.config,
+        )
+        self.absorb(effects)
+
+    # ------------------------------------------------------------------ helpers
+
+    def request(self) -> int:
+        self.next_request += 1
+        return self.next_request
+
+    def create(self, **spec: Any) -> Reply | None:
+        spec.setdefault("task", {"command": ["true"]})
+        return self.do(CreateJob(self.request(), validate_job(spec, now_ms=self.wall)))
+
+    def tickets(self, worker: str | None = None) -> list[RunTicket]:
+        return [d.run for _t, d in self.dispatches if worker is None or d.worker_id == worker]
+
+    def runs(self) -> dict[tuple[int, int], Record]:
+        """The last durable record of each run."""
+        out: dict[tuple[int, int], Record] = {}
+        for r in self.durable_records:
+            if r["t"] == "run":
+                out[(r["key"], r["at"])] = r
+        return out
+
+    def skips(self) -> list[Record]:
+        return [r for r in self.durable_records if r["t"] == "skip"]
+
+    def final_states(self) -> list[str]:
+        return sorted(r["state"] for r in self.runs().values())

@@ -1,0 +1,529 @@
+"""The shard engine, transition by transition, handler by handler, policy by policy."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.effects import (
+    CancelJob,
+    Dispatch,
+    GetJob,
+    Heartbeat,
+    OutboxDelivered,
+    PauseJob,
+    Persist,
+    Pull,
+    ReportFinished,
+    ReportStarted,
+    ResumeJob,
+    TriggerJob,
+    UpdateJob,
+    WorkerHello,
+)
+from engine.errors import TimeWentBackwards
+from engine.jobs import validate_job
+from engine.runs import TRANSITIONS, IllegalTransition, RunEvent, RunState, transition
+from engine.shard import EngineConfig, ShardEngine, StaleEpoch
+from tests.engine.harness import T0, Node
+
+ISO = "2026-01-01T00:00:{:02d}Z"
+
+
+def cfg(**overrides: int) -> EngineConfig:
+    """A config whose leases outlast the test unless the test sets them."""
+    values = {"worker_lease_ms": 10**9, "reattach_grace_ms": 10**9, **overrides}
+    return EngineConfig(**values)
+
+
+def once(node: Node, job_id: str, in_s: int = 1, **extra: object) -> None:
+    at = node.wall + in_s * 1000
+    from engine.schedules import format_utc
+
+    reply = node.create(id=job_id, schedule={"at": format_utc(at)}, **extra)
+    assert (reply is None and not node.auto_durable) or (
+        reply is not None and reply.error is None
+    ), reply
+
+
+def worker(
+    node: Node, name: str = "w1", credits: int = 4, tiers: tuple[str, ...] = ("default",)
+) -> None:
+    node.do(WorkerHello(name, tiers, credits))
+
+
+# ------------------------------------------------------------------------ the state table
+
+
+def test_transition_table_is_exactly_the_design_table() -> None:
+    s = RunState
+    assert transition(s.PENDING, RunEvent.CLAIM) is s.CLAIMED
+    assert transition(s.CLAIMED, RunEvent.REQUEUE) is s.PENDING
+    assert transition(s.FAILED, RunEvent.RETRY) is s.PENDING
+    for final in (s.SUCCESS, s.LOST, s.SKIPPED, s.CANCELLED):
+        for event in RunEvent:
+            with pytest.raises(IllegalTransition):
+                transition(final, event)
+    # Nothing leaves PENDING for a final outcome without being claimed first.
+    assert {e for (st, e) in TRANSITIONS if st is s.PENDING} == {
+        RunEvent.CLAIM,
+        RunEvent.SKIP,
+        RunEvent.CANCEL,
+    }
+
+
+# ------------------------------------------------------------------------ job commands
+
+
+def test_create_replies_only_after_the_batch_is_durable() -> None:
+    node = Node(auto_durable=False)
+    reply = node.create(id="a", schedule={"every": "1m", "start": "2026-01-01T00:01:00Z"})
+    assert reply is None and len(node.unacked) == 1
+    kinds = [r["t"] for r in node.unacked[0].records]
+    assert kinds == ["job", "pos"]
+    node.flush()
+    reply = node.replies[1]
+    assert reply.error is None and reply.result is not None
+    assert reply.result["next_fire_ms"] == T0 + 60_000
+
+
+def test_create_twice_is_refused_unless_replace_and_nothing_is_written() -> None:
+    node = Node()
+    node.create(id="a", schedule={"every": "1m", "start": ISO.format(30)})
+    before = len(node.durable_records)
+    reply = node.create(id="a", schedule={"every": "1m", "start": ISO.format(30)})
+    assert reply is not None and reply.error is not None and reply.error.code == "exists"
+    assert len(node.durable_records) == before
+    reply = node.create(id="a", schedule={"every": "2m", "start": ISO.format(30)}, replace=True)
+    assert reply is not None and reply.error is None and reply.result["version"] == 2
+
+
+def test_unknown_job_is_a_typed_error() -> None:
+    node = Node()
+    reply = node.do(PauseJob(node.request(), "nope"))
+    assert reply is not None and reply.error is not None and reply.error.code == "not_found"
+    assert node.durable_records == []
+
+
+def test_fire_creates_the_run_and_advances_the_job_in_one_batch() -> None:
+    node = Node(auto_durable=False)
+    node.create(id="e", schedule={"every": "10s", "start": "2026-01-01T00:00:10Z"})
+    node.flush()
+    node.advance(10_000)
+    batch = node.unacked[-1]
+    assert [r["t"] for r in batch.records] == ["run", "pos"]
+    run, pos = batch.records
+    assert (run["state"], run["at"], run["att"]) == ("PENDING", T0 + 10_000, 1)
+    assert pos["next"] == T0 + 20_000 and pos["acct"] == T0 + 19_999
+
+
+def test_pending_run_is_not_handed_out_before_its_fire_batch_is_durable() -> None:
+    node = Node(auto_durable=False)
+    worker(node)
+    once(node, "x")
+    node.flush()
+    node.advance(1000)
+    assert node.tickets() == []  # the PENDING record is not durable yet
+    node.flush(node.unacked[0].batch_id)
+    assert [t.run_id for t in node.tickets()] == [f"x@{T0 + 1000}"]
+
+
+def test_at_least_once_goes_out_at_claim_and_the_claim_follows() -> None:
+    node = Node(auto_durable=False)
+    worker(node)
+    once(node, "alo")
+    node.flush()
+    node.advance(1000)
+    fire_batch = node.unacked[-1].batch_id
+    node.absorb(
+        node.engine.handle(
+            __import__("engine.effects").effects.Durable(fire_batch), node.wall, node.mono
+        )
+    )
+    # Dispatched in the same call as the claim record, before that record is durable.
+    assert len(node.tickets()) == 1
+    claim = node.unacked[-1].records[0]
+    assert claim["state"] == "CLAIMED" and claim["tok"] == node.tickets()[0].token
+
+
+def test_at_most_once_claim_is_durable_before_the_run_is_sent() -> None:
+    node = Node(auto_durable=False)
+    worker(node)
+    once(node, "amo", delivery="at_most_once")
+    node.flush()
+    node.advance(1000)
+    node.flush(node.unacked[0].batch_id)  # the fire batch: the run is ready and claimed
+    assert node.tickets() == []
+    assert node.unacked and node.unacked[-1].records[0]["state"] == "CLAIMED"
+    node.flush()
+    assert len(node.tickets()) == 1
+
+
+def test_success_path_and_history() -> None:
+    node = Node()
+    worker(node)
+    once(node, "s")
+    node.advance(1000)
+    (ticket,) = node.tickets()
+    assert ticket.attempt == 1 and ticket.task == {"command": ["true"]}
+    node.do(ReportStarted("w1", ticket.run_id, ticket.token))
+    assert node.engine.run_state(ticket.run_id) is RunState.RUNNING
+    node.do(ReportFinished("w1", ticket.run_id, ticket.token, "success", 0))
+    assert node.engine.run_state(ticket.run_id) is None
+    states = [r["state"] for r in node.durable_records if r["t"] == "run"]
+    assert states == ["PENDING", "CLAIMED", "RUNNING", "SUCCESS"]
+
+
+def test_superseded_report_is_kept_but_changes_nothing() -> None:
+    node = Node(config=EngineConfig(worker_lease_ms=2000, reattach_grace_ms=2000))
+    worker(node, "w1")
+    once(node, "z")
+    node.advance(1000)
+    (first,) = node.tickets()
+    node.advance(1500)  # w1 stops heartbeating: its lease lapses, the run goes out again
+    worker(node, "w2")
+    second = node.tickets("w2")[0]
+    assert second.attempt == 2 and second.token > first.token
+    node.do(ReportFinished("w1", first.run_id, first.token, "success", 0))
+    assert node.engine.run_state(first.run_id) is RunState.CLAIMED
+    notes = [r for r in node.durable_records if r["t"] == "note"]
+    assert notes and notes[-1]["tok"] == first.token
+    node.do(ReportFinished("w2", second.run_id, second.token, "failed", 3))
+    assert node.runs()[(0, T0 + 1000)]["state"] == "FAILED"
+
+
+def test_cancel_cancels_pending_runs_and_stops_running_ones_only_when_asked() -> None:
+    node = Node()
+    once(node, "c1")
+    once(node, "c2")
+    node.advance(1000)
+    worker(node, credits=1)  # takes one of the two
+    (taken,) = node.tickets()
+    other = "c2" if taken.job_id == "c1" else "c1"
+    node.do(CancelJob(node.request(), other))
+    node.do(CancelJob(node.request(), taken.job_id))
+    assert node.engine.run_state(taken.run_id) is RunState.CLAIMED  # keeps running
+    once(node, "c3")
+    node.advance(1000)
+    worker(node, "w9", credits=1)
+    ticket = node.tickets("w9")[0]
+    node.do(CancelJob(node.request(), "c3", stop_running=True))
+    assert node.kills[-1].run_id == ticket.run_id
+    assert node.runs()[(2, ticket.scheduled_ms)]["state"] == "CANCELLED"
+    states = {r["key"]: r["state"] for r in node.runs().values()}
+    assert "CANCELLED" in states.values()
+
+
+def test_pause_then_resume_skips_missed_times_as_paused_and_runs_the_latest() -> None:
+    node = Node()
+    node.create(id="p", schedule={"every": "1m", "start": "2026-01-01T00:01:00Z"})
+    node.do(PauseJob(node.request(), "p"))
+    node.run_until(10 * 60_000, step=10_000)
+    assert node.runs() == {}
+    node.do(ResumeJob(node.request(), "p"))
+    node.advance(1)
+    (skip,) = node.skips()
+    assert skip["why"] == "paused" and skip["n"] == 9
+    (run,) = node.runs().values()
+    assert run["at"] == T0 + 10 * 60_000
+
+
+@pytest.mark.parametrize(
+    ("catchup", "runs", "skipped"),
+    [("latest", 1, 29), ("skip", 0, 30), ("all", 5, 25)],
+)
+def test_catchup_policies_after_downtime(catchup: str, runs: int, skipped: int) -> None:
+    node = Node()
+    node.create(
+        id="cu",
+        schedule={"every": "1m", "start": "2026-01-01T00:01:00Z"},
+        catchup=catchup,
+        max_catchup=5,
+    )
+    node.crash_and_recover(downtime_ms=30 * 60_000 + 30_000)
+    node.advance(1)
+    assert len(node.runs()) == runs
+    assert sum(s["n"] for s in node.skips()) == skipped
+    assert all(s["why"] == "catchup" for s in node.skips())
+    reply = node.do(GetJob(node.request(), "cu"))
+    assert reply is not None and reply.result["next_fire_ms"] == T0 + 31 * 60_000
+
+
+@pytest.mark.parametrize("overlap", ["allow", "skip", "buffer_one", "cancel_previous"])
+def test_overlap_policies(overlap: str) -> None:
+    node = Node()
+    worker(node, credits=10)
+    node.create(id="o", schedule={"every": "10s", "start": ISO.format(10)}, overlap=overlap)
+    node.advance(10_000)
+    (first,) = node.tickets()
+    node.do(ReportStarted("w1", first.run_id, first.token))
+    node.advance(10_000)  # the second fire while the first still runs
+    node.advance(10_000)  # and a third
+    runs = node.runs()
+    tickets = node.tickets()
+    if overlap == "allow":
+        assert len(tickets) == 3
+    elif overlap == "skip":
+        assert len(tickets) == 1 and [s["why"] for s in node.skips()] == ["overlap", "overlap"]
+    elif overlap == "buffer_one":
+        assert len(tickets) == 1 and len(runs) == 2 and len(node.skips()) == 1
+        node.do(ReportFinished("w1", first.run_id, first.token, "success", 0))
+        assert len(node.tickets()) == 2  # the buffered run goes once the first is done
+    else:
+        assert len(tickets) == 3
+        assert node.kills and node.kills[0].run_id == first.run_id
+        states = sorted(r["state"] for r in runs.values())
+        assert states == ["CANCELLED", "CANCELLED", "CLAIMED"]
+
+
+# ------------------------------------------------------------------------ timeouts and retries
+
+
+def test_failure_retries_with_backoff_and_keeps_the_run_id() -> None:
+    node = Node()
+    worker(node)
+    once(node, "r", retries={"max": 2, "backoff": "5s"})
+    node.advance(1000)
+    t1 = node.tickets()[-1]
+    node.do(ReportFinished("w1", t1.run_id, t1.token, "failed", 1))
+    node.do(Pull("w1", 4))
+    assert len(node.tickets()) == 1  # waits for its backoff
+    node.advance(5000)
+    t2 = node.tickets()[-1]
+    assert (t2.run_id, t2.attempt) == (t1.run_id, 2) and t2.token > t1.token
+    node.do(ReportFinished("w1", t2.run_id, t2.token, "failed", 1))
+    node.advance(10_000)
+    t3 = node.tickets()[-1]
+    assert t3.attempt == 3
+    node.do(ReportFinished("w1", t3.run_id, t3.token, "failed", 1))
+    node.advance(60_000)
+    assert len(node.tickets()) == 3
+    assert node.final_states() == ["FAILED"]
+
+
+@pytest.mark.parametrize("handler", ["kill", "mark", "retry:1", "trigger:other"])
+def test_node_side_timeout_handlers(handler: str) -> None:
+    node = Node(config=cfg(timeout_grace_ms=1000))
+    worker(node)
+    once(node, "t", timeout="2s", on_timeout=handler)
+    node.advance(1000)
+    t1 = node.tickets()[-1]
+    node.do(ReportStarted("w1", t1.run_id, t1.token))
+    node.run_until(3500, step=500)
+    if handler == "mark":
+        assert node.kills == []
+        assert node.final_states() == ["TIMED_OUT"]
+        return
+    assert node.kills[0].run_id == t1.run_id
+    if handler == "kill":
+        assert node.final_states() == ["TIMED_OUT"]
+    elif handler == "retry:1":
+        node.run_until(15_000, step=500)
+        assert [t.attempt for t in node.tickets()] == [1, 2]
+    else:
+        assert node.final_states() == ["TIMED_OUT"]
+        (trigger,) = node.triggers
+        assert (trigger.job_id, trigger.source_run_id) == ("other", t1.run_id)
+        node.do(OutboxDelivered(trigger.seq))
+        assert node.durable_records[-1]["t"] == "outdone"
+
+
+def test_at_most_once_is_never_retried_after_a_node_side_timeout() -> None:
+    node = Node(config=cfg(timeout_grace_ms=1000))
+    worker(node)
+    once(node, "t", timeout="2s", on_timeout="retry:3", delivery="at_most_once")
+    node.advance(1000)
+    node.run_until(10_000, step=500)
+    assert len(node.tickets()) == 1 and node.final_states() == ["TIMED_OUT"]
+
+
+def test_at_most_once_retries_after_a_confirmed_timeout() -> None:
+    node = Node()
+    worker(node)
+    once(node, "t", timeout="2s", on_timeout="retry:1", delivery="at_most_once")
+    node.advance(1000)
+    t1 = node.tickets()[-1]
+    node.do(ReportFinished("w1", t1.run_id, t1.token, "timed_out", None))
+    node.run_until(15_000, step=500)
+    assert [t.attempt for t in node.tickets()] == [1, 2]
+
+
+# ------------------------------------------------------------------------ leases and restarts
+
+
+def test_lapsed_worker_lease_at_least_once_goes_out_again_at_most_once_is_lost() -> None:
+    node = Node(config=cfg(worker_lease_ms=2000, reattach_grace_ms=3000))
+    worker(node, "w1")
+    once(node, "alo")
+    once(node, "amo", delivery="at_most_once")
+    node.advance(1000)
+    assert len(node.tickets("w1")) == 2
+    node.advance(1500)  # lease lapsed
+    worker(node, "w2")
+    assert [t.job_id for t in node.tickets("w2")] == ["alo"]
+    node.run_until(1500, step=250)
+    node.do(Heartbeat("w2"))
+    node.run_until(1750, step=250)
+    node.do(Heartbeat("w2"))
+    states = {r["key"]: r["state"] for r in node.runs().values()}
+    assert states[1] == "LOST"
+    assert len([t for t in node.tickets() if t.job_id == "amo"]) == 1
+
+
+def test_restart_reattach_keeps_runs_and_grace_decides_the_rest() -> None:
+    node = Node(config=cfg(worker_lease_ms=4000, reattach_grace_ms=5000))
+    worker(node, "w1", credits=10)
+    for name in ("a1", "a2"):
+        once(node, name)
+    for name in ("m1", "m2"):
+        once(node, name, delivery="at_most_once")
+    node.advance(1000)
+    by_job = {t.job_id: t for t in node.tickets()}
+    node.crash_and_recover()
+    # w1 comes back holding a1 and m1 only.
+    held = tuple((by_job[j].run_id, by_job[j].token) for j in ("a1", "m1"))
+    node.do(WorkerHello("w1", ("default",), 0, held))
+    node.run_until(3000, step=250)
+    node.do(Heartbeat("w1", held))
+    node.run_until(2500, step=250)
+    node.do(Heartbeat("w1", held))
+    assert node.engine.run_state(by_job["a1"].run_id) is RunState.CLAIMED
+    assert node.engine.run_state(by_job["m1"].run_id) is RunState.CLAIMED
+    states = {r["key"]: r["state"] for r in node.runs().values()}
+    assert states[3] == "LOST"  # m2: nobody re-attached it
+    assert states[1] == "PENDING"  # a2: out again, waiting for a worker
+    worker(node, "w3")
+    again = node.tickets("w3")
+    assert [(t.job_id, t.attempt) for t in again] == [("a2", 2)]
+    assert again[0].token > by_job["a2"].token
+
+
+def test_crash_before_the_at_most_once_claim_is_durable_sends_it_once_after() -> None:
+    node = Node(auto_durable=False)
+    worker(node)
+    once(node, "amo", delivery="at_most_once")
+    node.flush()
+    node.advance(1000)
+    node.flush(node.unacked[0].batch_id)  # fire durable; claim made but not durable
+    assert node.tickets() == []
+    node.crash_and_recover()
+    node.auto_durable = True
+    node.flush()
+    worker(node, "w2")
+    assert [t.job_id for t in node.tickets()] == ["amo"]
+
+
+def test_recovery_reproduces_the_durable_state() -> None:
+    node = Node()
+    worker(node, credits=2)
+    node.create(id="e", schedule={"every": "7s", "start": ISO.format(5)}, retries={"max": 1})
+    node.create(id="c", schedule={"cron": "*/1 * * * *"}, delivery="at_most_once")
+    once(node, "o", overlap="buffer_one")
+    node.run_until(130_000, step=1000)
+    t = node.tickets()[0]
+    node.do(ReportFinished("w1", t.run_id, t.token, "failed", 2))
+    live = node.engine.snapshot()
+    node.crash_and_recover()
+    recovered = node.engine.snapshot()
+    assert recovered["jobs"] == live["jobs"]
+    assert recovered["runs"] == live["runs"]
+
+
+def test_recover_refuses_an_epoch_not_newer_than_the_records() -> None:
+    node = Node()
+    once(node, "x")
+    node.crash_and_recover()
+    with pytest.raises(StaleEpoch):
+        ShardEngine.recover(
+            node.durable_records, epoch=node.epoch, wall_ms=node.wall, mono_ms=node.mono
+        )
+
+
+def test_fencing_tokens_grow_across_epochs() -> None:
+    node = Node(config=cfg(worker_lease_ms=2000, reattach_grace_ms=2000))
+    worker(node)
+    once(node, "f")
+    node.advance(1000)
+    first = node.tickets()[-1]
+    node.crash_and_recover()
+    node.run_until(2500, step=250)
+    worker(node, "w2")
+    second = node.tickets("w2")[-1]
+    assert second.token > first.token and second.token >> 32 == node.epoch
+
+
+# ------------------------------------------------------------------------ triggers, backpressure, time
+
+
+def test_after_dependency_and_trigger_dedupe() -> None:
+    node = Node()
+    worker(node)
+    once(node, "up")
+    node.create(id="down", schedule={"at": "2030-01-01T00:00:00Z"}, after=["up"])
+    node.advance(1000)
+    t = node.tickets()[-1]
+    node.do(ReportFinished("w1", t.run_id, t.token, "success", 0))
+    (trigger,) = node.triggers
+    assert trigger.job_id == "down"
+    for _ in range(2):  # delivered twice: the second is a repeat
+        node.do(TriggerJob(node.request(), trigger.job_id, trigger.source_run_id))
+    downs = [tk for tk in node.tickets() if tk.job_id == "down"]
+    assert len(downs) == 1
+
+
+def test_backpressure_pauses_firing_and_memory_stays_bounded() -> None:
+    node = Node(config=cfg(ready_bound=5))
+    for i in range(20):
+        once(node, f"b{i}")
+    node.advance(1000)
+    assert len(node.runs()) == 5  # the rest wait in the wheel, not as runs
+    worker(node, credits=3)
+    node.advance(1)
+    assert len(node.runs()) == 8
+    worker(node, "w2", credits=100)
+    node.advance(1)
+    assert len(node.runs()) == 20 and len(node.tickets()) == 20
+
+
+def test_wall_clock_jump_is_reported_and_never_fires_early() -> None:
+    node = Node()
+    once(node, "j", in_s=3600)
+    node.advance(1000, wall_extra=2 * 3600_000)  # the wall clock leaps two hours
+    assert node.jumps and node.runs() == {}
+    node.advance(3600_000)
+    assert len(node.runs()) == 1
+
+
+def test_monotonic_clock_going_backwards_is_refused() -> None:
+    node = Node()
+    with pytest.raises(TimeWentBackwards):
+        node.engine.tick(node.wall, node.mono - 1)
+
+
+def test_update_pins_running_runs_to_their_version() -> None:
+    node = Node()
+    worker(node)
+    node.create(
+        id="u", schedule={"every": "10s", "start": ISO.format(10)}, task={"shell": "echo 1"}
+    )
+    node.advance(10_000)
+    first = node.tickets()[-1]
+    spec = validate_job(
+        {
+            "id": "u",
+            "schedule": {"every": "10s", "start": ISO.format(10)},
+            "task": {"shell": "echo 2"},
+        },
+        now_ms=node.wall,
+    )
+    reply = node.do(UpdateJob(node.request(), spec))
+    assert reply is not None and reply.result["version"] == 2
+    assert first.task == {"shell": "echo 1"} and first.version == 1
+    node.advance(10_000)
+    assert node.tickets()[-1].task == {"shell": "echo 2"}
+
+
+def test_effects_are_typed_values() -> None:
+    node = Node(auto_durable=False)
+    once(node, "v")
+    assert isinstance(node.unacked[0], Persist)
+    assert all(isinstance(d, Dispatch) for _t, d in node.dispatches)
