@@ -188,6 +188,14 @@ class Reply:
 
 
 @dataclass(frozen=True)
+class Refused:
+    """A worker's command was refused (unknown worker, malformed report): tell the worker."""
+
+    worker_id: str
+    error: EngineError
+
+
+@dataclass(frozen=True)
 class Trigger:
     """Deliver ``TriggerJob(job_id, source_run_id)`` to the job's shard (at least once), then
     acknowledge with ``OutboxDelivered(seq)``."""
@@ -206,7 +214,7 @@ class ClockJump:
     engine_ms: int
 
 
-Effect = Persist | Dispatch | Kill | Reply | Trigger | ClockJump
+Effect = Persist | Dispatch | Kill | Reply | Refused | Trigger | ClockJump
 
 
 @dataclass

@@ -46,6 +46,7 @@ from engine.effects import (
     PauseJob,
     Persist,
     Pull,
+    Refused,
     Reply,
     ReportFinished,
     ReportStarted,
@@ -72,6 +73,10 @@ from engine.runs import (
 from engine.wheel import TimingWheel
 
 RunRef = tuple[int, int]  # (job key, scheduled ms)
+
+# The trusted wall-minus-monotonic offset may grow by 1 ms per this many ms (NTP slews at
+# most 0.5 ms per s): a real forward correction is followed slowly, a jump never.
+_SLEW_DIVISOR = 1000
 
 
 class StaleEpoch(EngineStateError):
@@ -187,6 +192,7 @@ class ShardEngine:
         self._wall = wall_ms
         self._mono = mono_ms
         self._jumped = False
+        self._offset = wall_ms - mono_ms  # wall minus monotonic, as far as it is trusted
         self._counter = 0  # fencing tokens handed out in this epoch
         self._batch = 0  # last batch id handed out
         self._durable = 0  # last batch id acknowledged
@@ -285,8 +291,11 @@ class ShardEngine:
                 handler(self, command)
             except EngineError as error:
                 if request_id is None:
-                    raise
-                self._out.append(Reply(request_id, error=error))
+                    # A worker's command (no request id): the driver tells the worker, which
+                    # says hello again; the engine and the other effects are unharmed.
+                    self._out.append(Refused(getattr(command, "worker_id", ""), error))
+                else:
+                    self._out.append(Reply(request_id, error=error))
             self._dispatch_all()
         return self._finish()
 
@@ -330,16 +339,22 @@ class ShardEngine:
             raise TimeWentBackwards(
                 f"monotonic time {mono_ms} is before {self._mono}", field="mono_ms"
             )
-        expected = self._wall + (mono_ms - self._mono)
-        if wall_ms > expected + self.config.max_clock_jump_ms:
+        # The trusted offset between the clocks may move back at once (a wall clock set back
+        # only delays firing) but forward only at a slew rate, so that many small forward steps
+        # add up to no more than one: the engine never runs ahead of the monotonic clock's pace
+        # by more than max_clock_jump_ms in total.
+        elapsed = mono_ms - self._mono
+        offset = wall_ms - mono_ms
+        trusted = min(offset, self._offset + elapsed // _SLEW_DIVISOR)
+        limit = mono_ms + self._offset + self.config.max_clock_jump_ms
+        if wall_ms > limit:
             if not self._jumped:
-                self._out.append(ClockJump(wall_ms=wall_ms, engine_ms=expected))
+                self._out.append(ClockJump(wall_ms=wall_ms, engine_ms=limit))
             self._jumped = True
-            new_wall = expected
         else:
             self._jumped = False
-            new_wall = max(self._wall, wall_ms)
-        self._wall, self._mono = new_wall, mono_ms
+        self._offset = trusted
+        self._wall, self._mono = max(self._wall, min(wall_ms, limit)), mono_ms
 
     def _run_due(self) -> None:
         """Everything that time makes happen, in a fixed order (determinism)."""
@@ -406,7 +421,7 @@ class ShardEngine:
         if not self._records and self._batch <= self._durable:
             # Nothing in flight to wait for. Releasing may claim runs, which makes records.
             waiting, self._after_durable = self._after_durable, []
-            self._out.extend(waiting)
+            self._out.extend(self._still_valid(waiting))
             ready, self._ready_after_durable = self._ready_after_durable, []
             for ref in ready:
                 run = self._runs.get(ref)
@@ -432,13 +447,29 @@ class ShardEngine:
                 f"batch {batch_id} was never handed out (last {self._batch})", field="batch_id"
             )
         for b in range(self._durable + 1, batch_id + 1):
-            self._out.extend(self._held.pop(b, ()))
+            self._out.extend(self._still_valid(self._held.pop(b, [])))
             for ref in self._held_ready.pop(b, ()):
                 run = self._runs.get(ref)
                 if run is not None and run.state is RunState.PENDING and run.due is None:
                     self._enqueue(run)
         self._durable = max(self._durable, batch_id)
         self._dispatch_all()
+
+    def _still_valid(self, effects: list[Effect]) -> list[Effect]:
+        """Drop a held dispatch whose claim was undone meanwhile (cancelled, killed): an
+        at-most-once run must not go out after the engine gave it up."""
+        out: list[Effect] = []
+        for effect in effects:
+            if isinstance(effect, Dispatch):
+                run = self._run_by_id(effect.run.run_id)
+                if (
+                    run is None
+                    or run.token != effect.run.token
+                    or run.state is not RunState.CLAIMED
+                ):
+                    continue
+            out.append(effect)
+        return out
 
     def _reply_after_durable(self, request_id: int, result: dict[str, Any]) -> None:
         self._after_durable.append(Reply(request_id, result=result))
@@ -467,6 +498,7 @@ class ShardEngine:
                 r["paused"],
                 r["gone"],
             )
+            job.skip_reason = r.get("why", "catchup")
         elif kind == "run":
             self._apply_run(r, recovering)
         elif kind == "out":
@@ -477,7 +509,9 @@ class ShardEngine:
         elif kind == "epoch":
             if recovering and r["epoch"] >= self.epoch:
                 raise StaleEpoch(f"shard already opened at epoch {r['epoch']} (>= {self.epoch})")
-        # "skip" and "note" are history only: nothing in memory depends on them.
+        elif kind == "skip" and r.get("src") is not None:
+            self._sources[r["src"]] = (r["key"], r["lo"])
+        # Otherwise "skip" and "note" are history only: nothing in memory depends on them.
 
     def _apply_run(self, r: Record, recovering: bool) -> None:
         ref = (r["key"], r["at"])
@@ -545,6 +579,7 @@ class ShardEngine:
                 acct=job.acct,
                 paused=job.paused,
                 gone=job.gone,
+                why=job.skip_reason,
             )
         )
 
@@ -600,7 +635,6 @@ class ShardEngine:
                 "job", key=job.key, id=job.spec.id, ver=job.version + 1, spec=cmd.spec.to_dict()
             )
         )
-        job.paused = cmd.spec.paused
         job.acct = max(job.acct, self._wall)
         job.next_due = self._first_due_after_update(job)
         self._persist_pos(job)
@@ -613,6 +647,10 @@ class ShardEngine:
     def _cancel(self, cmd: CancelJob) -> None:
         job = self._job(cmd.job_id)
         self._fire_wheel(job.spec.policy.tier).cancel(job.key)
+        if job.next_due is not None and job.next_due <= self._wall:
+            why = "paused" if job.paused else "cancelled"
+            self._emit(rec.make("skip", key=job.key, lo=job.next_due, hi=self._wall, n=-1, why=why))
+            job.acct = max(job.acct, self._wall)
         job.gone = True
         self._persist_pos(job)
         for ref in sorted(job.active):
@@ -699,11 +737,6 @@ class ShardEngine:
             keep_set = set(keep)
             self._skip_ranges(job, [t for t in owed if t not in keep_set], reason)
             run_at.extend(keep)
-            if nxt is not None and nxt <= now:
-                # Enumeration stopped at its bound: the rest of the gap is one range record
-                # whose count is unknown (-1): every fire time in [lo, hi].
-                self._emit(rec.make("skip", key=job.key, lo=nxt, hi=now, n=-1, why=reason))
-                nxt = sched.next_after(now)
         for at in run_at:
             self._new_run(job, at)
         last = max([due, *run_at])
@@ -713,16 +746,37 @@ class ShardEngine:
         self._arm(job)
 
     def _owed(self, job: _Job, first: int, now: int) -> tuple[list[int], int | None]:
-        """Fire times from ``first`` up to ``now`` (bounded), and the next one after them."""
-        owed = [first]
-        t: int | None = first
+        """Fire times from ``first`` up to ``now``, and the next one after them.
+
+        When there are more than ``max_enumerate``, the oldest are recorded as one skip range
+        (count unknown) and the newest ``max_enumerate`` are returned: the catch-up policies
+        only ever keep the newest.
+        """
         sched = job.spec.schedule
-        while len(owed) < self.config.max_enumerate:
+        owed = [first]
+        while True:
             t = sched.next_after(owed[-1])
             if t is None or t > now:
                 return owed, t
             owed.append(t)
-        return owed, sched.next_after(owed[-1])
+            if len(owed) >= self.config.max_enumerate:
+                break
+        # Too many: start again from a point whose remaining times fit, and skip the rest.
+        span = now - owed[0]
+        start = now - span // 2
+        while True:
+            tail: list[int] = []
+            t = sched.next_after(start)
+            while t is not None and t <= now and len(tail) < self.config.max_enumerate:
+                tail.append(t)
+                t = sched.next_after(t)
+            if t is None or t > now:
+                break
+            start = now - (now - start) // 2
+        why = job.skip_reason
+        hi = start if not tail else tail[0] - 1
+        self._emit(rec.make("skip", key=job.key, lo=first, hi=hi, n=-1, why=why))
+        return tail, t
 
     def _skip_ranges(self, job: _Job, times: list[int], reason: str) -> None:
         if times:
@@ -732,6 +786,12 @@ class ShardEngine:
                 )
             )
 
+    def _skip_one(self, job: _Job, at: int, source: str | None) -> None:
+        record = rec.make("skip", key=job.key, lo=at, hi=at, n=1, why="overlap")
+        if source is not None:
+            record["src"] = source  # so a redelivered trigger is still recognised
+        self._emit(record)
+
     def _new_run(self, job: _Job, at: int, source: str | None = None) -> None:
         ref = (job.key, at)
         if ref in self._runs:
@@ -740,11 +800,11 @@ class ShardEngine:
         busy = [r for r in sorted(job.active) if r != job.buffered]
         buffered = False
         if busy and overlap == "skip":
-            self._skip_ranges(job, [at], "overlap")
+            self._skip_one(job, at, source)
             return
         if busy and overlap == "buffer_one":
             if job.buffered is not None:
-                self._skip_ranges(job, [at], "overlap")
+                self._skip_one(job, at, source)
                 return
             buffered = True
         if busy and overlap == "cancel_previous":
@@ -770,7 +830,9 @@ class ShardEngine:
 
     def _trigger(self, cmd: TriggerJob) -> None:
         if cmd.source_run_id in self._sources:
-            self._out.append(Reply(cmd.request_id, result={"duplicate": True}))
+            # The original may not be durable yet: the source must not drop its outbox entry
+            # before it is.
+            self._reply_after_durable(cmd.request_id, {"duplicate": True})
             return
         job = self._job(cmd.job_id)
         at = self._wall
@@ -801,6 +863,13 @@ class ShardEngine:
             self._workers[cmd.worker_id] = worker
             self._slot_worker[slot] = cmd.worker_id
         worker.tiers, worker.credits = tuple(cmd.tiers), cmd.credits
+        announced = {rid for rid, _token in cmd.held}
+        for ref in sorted(worker.runs):
+            run = self._runs.get(ref)
+            if run is not None and run.worker == worker.worker_id and run.run_id not in announced:
+                # The worker (re)started without it, or the dispatch never arrived.
+                worker.runs.discard(ref)
+                self._worker_lost_run(run)
         self._renew(worker, cmd.held)
 
     def _heartbeat(self, cmd: Heartbeat) -> None:
@@ -820,11 +889,14 @@ class ShardEngine:
                 self._out.append(Kill(worker.worker_id, rid, token, "superseded"))
                 continue
             if run.worker != worker.worker_id:
-                run.worker = worker.worker_id
-                run.grace = False
-                worker.runs.add(run.ref)
-                self._clear_run_timer(run)
-                self._arm_timeout(run)
+                self._reattach(worker, run)
+
+    def _reattach(self, worker: _Worker, run: _Run) -> None:
+        run.worker = worker.worker_id
+        run.grace = False
+        worker.runs.add(run.ref)
+        self._clear_run_timer(run)
+        self._arm_timeout(run)
 
     def _pull(self, cmd: Pull) -> None:
         worker = self._workers.get(cmd.worker_id)
@@ -844,15 +916,21 @@ class ShardEngine:
         self._free_slots.append(slot)
         for ref in sorted(worker.runs):
             run = self._runs.get(ref)
-            if run is None or run.worker != worker_id or run.state not in IN_FLIGHT_STATES:
-                continue
-            run.worker = None
-            self._clear_run_timer(run)
-            if run.spec.policy.delivery == "at_least_once":
-                self._requeue(run, "worker lease lapsed")
-            else:
-                run.grace = True
-                self._set_run_timer(run, "grace", self._mono + self.config.reattach_grace_ms)
+            if run is not None and run.worker == worker_id:
+                self._worker_lost_run(run)
+
+    def _worker_lost_run(self, run: _Run) -> None:
+        """The worker holding ``run`` is gone or no longer has it: at-least-once goes out
+        again; at-most-once waits the reattach grace, then is LOST."""
+        if run.state not in IN_FLIGHT_STATES:
+            return
+        run.worker = None
+        self._clear_run_timer(run)
+        if run.spec.policy.delivery == "at_least_once":
+            self._requeue(run, "worker lost it")
+        else:
+            run.grace = True
+            self._set_run_timer(run, "grace", self._mono + self.config.reattach_grace_ms)
 
     def _requeue(self, run: _Run, why: str) -> None:
         self._move(run, RunEvent.REQUEUE)
@@ -955,7 +1033,12 @@ class ShardEngine:
     def _matching(self, worker_id: str, rid: str, token: int, what: str) -> _Run | None:
         run = self._run_by_id(rid)
         if run is not None and run.token == token and run.state in IN_FLIGHT_STATES:
-            return run
+            if run.worker == worker_id:
+                return run
+            worker = self._workers.get(worker_id)
+            if run.worker is None and worker is not None:
+                self._reattach(worker, run)  # a known worker reporting during the grace
+                return run
         # A report of a superseded attempt (or of a run already final): kept in the history,
         # never changes the state.
         try:
@@ -991,7 +1074,7 @@ class ShardEngine:
             self._after_success(run)
         elif cmd.outcome == "failed":
             run.failures += 1
-            if run.failures <= run.spec.policy.retries_max:
+            if run.failures <= run.spec.policy.retries_max and not self._jobs[run.key].gone:
                 self._retry_later(run, RunEvent.FAIL, run.failures, "failed")
             else:
                 self._finalize(run, RunEvent.FAIL, why="failed")
@@ -1007,7 +1090,13 @@ class ShardEngine:
             self._out.append(Kill(run.worker, run.run_id, run.token, "timed out"))
         run.timeouts += 1
         retry_ok = confirmed or policy.delivery == "at_least_once"
-        if handler == "retry" and retry_ok and run.timeouts <= policy.on_timeout_retries:
+        gone = self._jobs[run.key].gone
+        if (
+            handler == "retry"
+            and retry_ok
+            and not gone
+            and run.timeouts <= policy.on_timeout_retries
+        ):
             self._retry_later(run, RunEvent.TIME_OUT, run.timeouts, "timed out")
             return
         self._finalize(run, RunEvent.TIME_OUT, why="timed out")

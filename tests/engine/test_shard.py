@@ -527,3 +527,137 @@ def test_effects_are_typed_values() -> None:
     once(node, "v")
     assert isinstance(node.unacked[0], Persist)
     assert all(isinstance(d, Dispatch) for _t, d in node.dispatches)
+
+
+# ------------------------------------------------------------------------ regressions found in review
+
+
+def test_held_at_most_once_dispatch_is_dropped_when_its_run_is_cancelled() -> None:
+    node = Node(auto_durable=False)
+    worker(node)
+    once(node, "amo", delivery="at_most_once")
+    node.flush()
+    node.advance(1000)
+    node.flush(node.unacked[0].batch_id)  # fire durable; the claim is not yet
+    node.do(CancelJob(node.request(), "amo", stop_running=True))
+    node.flush()
+    assert node.tickets() == []
+
+
+def test_many_small_forward_wall_steps_do_not_add_up() -> None:
+    node = Node()
+    once(node, "j", in_s=30)
+    for _ in range(10):
+        node.advance(0, wall_extra=4000)
+    assert node.runs() == {} and node.jumps
+    assert node.engine.now_ms <= T0 + EngineConfig().max_clock_jump_ms
+
+
+def test_start_report_during_the_grace_from_an_unknown_worker_keeps_the_grace() -> None:
+    node = Node(config=cfg(worker_lease_ms=2000, reattach_grace_ms=3000))
+    worker(node)
+    once(node, "amo", delivery="at_most_once")
+    node.advance(1000)
+    (ticket,) = node.tickets()
+    node.crash_and_recover()
+    node.do(ReportStarted("w1", ticket.run_id, ticket.token))  # before any hello
+    node.run_until(3500, step=250)
+    assert node.final_states() == ["LOST"]
+
+
+def test_hello_without_a_run_it_held_sends_that_run_out_again() -> None:
+    node = Node()
+    worker(node, credits=1)
+    once(node, "a")
+    node.advance(1000)
+    (first,) = node.tickets()
+    node.do(WorkerHello("w1", ("default",), 1, ()))  # restarted: holds nothing
+    second = node.tickets()[-1]
+    assert (second.run_id, second.attempt) == (first.run_id, 2) and second.token > first.token
+
+
+def test_a_repeated_trigger_is_answered_only_once_the_original_is_durable() -> None:
+    node = Node(auto_durable=False)
+    once(node, "t", in_s=3600)
+    node.flush()
+    node.do(TriggerJob(node.request(), "t", "src@1"))
+    reply = node.do(TriggerJob(node.request(), "t", "src@1"))
+    assert reply is None
+    node.flush()
+    assert node.replies[3].result == {"duplicate": True}
+
+
+def test_trigger_skipped_by_overlap_is_still_recognised_when_redelivered() -> None:
+    node = Node()
+    worker(node)
+    once(node, "o", overlap="skip")
+    node.advance(1000)
+    node.do(TriggerJob(node.request(), "o", "src@1"))
+    node.crash_and_recover()
+    node.do(TriggerJob(node.request(), "o", "src@1"))
+    assert len(node.runs()) == 1
+
+
+def test_a_cancelled_jobs_failing_run_is_not_retried() -> None:
+    node = Node()
+    worker(node)
+    once(node, "r", retries={"max": 3, "backoff": "1s"})
+    node.advance(1000)
+    (ticket,) = node.tickets()
+    node.do(CancelJob(node.request(), "r"))
+    node.do(ReportFinished("w1", ticket.run_id, ticket.token, "failed", 1))
+    node.run_until(10_000, step=500)
+    assert len(node.tickets()) == 1 and node.final_states() == ["FAILED"]
+
+
+def test_an_update_keeps_a_paused_job_paused() -> None:
+    node = Node()
+    node.create(id="p", schedule={"every": "1s", "start": ISO.format(1)})
+    node.do(PauseJob(node.request(), "p"))
+    spec = validate_job(
+        {"id": "p", "schedule": {"every": "1s", "start": ISO.format(1)}, "task": {"shell": "x"}},
+        now_ms=node.wall,
+    )
+    node.do(UpdateJob(node.request(), spec))
+    node.run_until(5000, step=500)
+    assert node.runs() == {}
+
+
+def test_cancel_accounts_for_owed_but_unfired_times() -> None:
+    node = Node(config=cfg(ready_bound=1))
+    once(node, "a")
+    node.create(id="e", schedule={"every": "1s", "start": ISO.format(1)})
+    node.advance(3000)  # the tier is full: e's times are owed, not fired
+    node.do(CancelJob(node.request(), "e"))
+    reasons = {s["why"] for s in node.skips()}
+    assert "cancelled" in reasons
+
+
+def test_skip_reason_survives_a_crash_after_resume() -> None:
+    node = Node()
+    node.create(id="p", schedule={"every": "1m", "start": "2026-01-01T00:01:00Z"})
+    node.do(PauseJob(node.request(), "p"))
+    node.run_until(10 * 60_000, step=60_000)
+    node.do(ResumeJob(node.request(), "p"))
+    node.crash_and_recover()
+    node.advance(1)
+    assert [s["why"] for s in node.skips()] == ["paused"]
+
+
+def test_worker_commands_from_unknown_workers_are_refused_not_raised() -> None:
+    from engine.effects import Refused
+
+    node = Node()
+    effects = node.engine.handle(Heartbeat("ghost"), node.wall, node.mono)
+    assert [type(e) for e in effects] == [Refused]
+    effects = node.engine.handle(ReportStarted("ghost", "not a run id", 1), node.wall, node.mono)
+    assert [type(e) for e in effects] == [Refused]
+
+
+def test_catchup_beyond_the_enumeration_bound_keeps_the_newest() -> None:
+    node = Node(config=cfg(max_enumerate=5))
+    node.create(id="cu", schedule={"every": "1s", "start": ISO.format(1)}, catchup="latest")
+    node.crash_and_recover(downtime_ms=120_000)
+    node.advance(1)
+    (run,) = node.runs().values()
+    assert run["at"] >= node.wall - 1000
