@@ -17,6 +17,7 @@ from collections.abc import Sequence
 BENCH_SUITES: dict[str, tuple[str, str]] = {
     "wheel": ("bench.wheel_suite", "timing wheel vs heapq and SortedList: rates and bytes"),
     "schedules": ("bench.schedules_suite", "next fire times of many cron jobs, cached vs not"),
+    "engine": ("bench.engine_suite", "one shard engine: creates, fires and bytes per pending job"),
 }
 
 

@@ -215,6 +215,7 @@ class ShardEngine:
         self._slot_worker: dict[int, str] = {}
         self._free_slots: list[int] = []
         self._next_slot = 0
+        self._live_spec: JobSpec | None = None
         self._outbox: dict[int, Record] = {}
         self._outbox_seq = 0
         # Effects waiting for a batch to be durable: batch id -> effects / runs to queue.
@@ -482,7 +483,12 @@ class ShardEngine:
         if recovering and r.get("e", 0) > self.epoch:
             raise StaleEpoch(f"record of epoch {r.get('e')} is newer than {self.epoch}")
         if kind == "job":
-            spec = validate_job(r["spec"], now_ms=self._wall)
+            # Live, the validated spec is at hand; recovery validates the stored form again.
+            spec = (
+                self._live_spec
+                if self._live_spec is not None
+                else validate_job(r["spec"], now_ms=self._wall)
+            )
             job = self._jobs.get(r["key"])
             if job is None:
                 job = _Job(r["key"], spec, r["ver"], None, self._wall - 1)
@@ -562,13 +568,19 @@ class ShardEngine:
         )
         if buffered:
             record["buf"] = True
-        if run.version != self._jobs[run.key].version or (
-            run.attempt == 1 and run.state is RunState.PENDING
-        ):
-            # The pinned spec travels with the run's first record (and whenever it differs
-            # from the job's current version), so recovery can rebuild what this run executes.
+        if run.version != self._jobs[run.key].version:
+            # A run of an older version than the job's: its pinned spec travels with it, so
+            # that recovery can rebuild what this run executes. (A run's first record is
+            # written at its job's version, which the log holds just before.)
             record["spec"] = run.spec.to_dict()
         self._emit(record)
+
+    def _emit_job(self, key: int, version: int, spec: JobSpec) -> None:
+        self._live_spec = spec
+        try:
+            self._emit(rec.make("job", key=key, id=spec.id, ver=version, spec=spec.to_dict()))
+        finally:
+            self._live_spec = None
 
     def _persist_pos(self, job: _Job) -> None:
         self._emit(
@@ -603,7 +615,7 @@ class ShardEngine:
         key = existing if existing is not None else self._next_key
         self._next_key = max(self._next_key, key + 1)
         version = self._jobs[key].version + 1 if existing is not None else 1
-        self._emit(rec.make("job", key=key, id=spec.id, ver=version, spec=spec.to_dict()))
+        self._emit_job(key, version, spec)
         job = self._jobs[key]
         job.gone, job.buffered = False, None
         job.acct = self._wall - 1  # nothing before its creation is owed
@@ -630,11 +642,7 @@ class ShardEngine:
             # new version replaces them, and the record says so.
             why = "paused" if job.paused else "updated"
             self._emit(rec.make("skip", key=job.key, lo=job.next_due, hi=self._wall, n=-1, why=why))
-        self._emit(
-            rec.make(
-                "job", key=job.key, id=job.spec.id, ver=job.version + 1, spec=cmd.spec.to_dict()
-            )
-        )
+        self._emit_job(job.key, job.version + 1, cmd.spec)
         job.acct = max(job.acct, self._wall)
         job.next_due = self._first_due_after_update(job)
         self._persist_pos(job)
@@ -705,9 +713,11 @@ class ShardEngine:
             if nd is None or nd > self._wall:
                 return
             room = self.config.ready_bound - self._pending.get(tier, 0)
-            # Advance to the earliest due only: a burst is taken a slot at a time, so a full
-            # ready queue stops firing instead of materialising every run of the burst.
-            fired = wheel.advance(max(nd, wheel.now_ms))
+            # With room for everything the wheel holds, fire all that is due at once; else
+            # advance to the earliest due only, so that a burst is taken a slot at a time and
+            # a full tier stops firing instead of materialising every run of the burst.
+            target = self._wall if len(wheel) <= room else max(nd, wheel.now_ms)
+            fired = wheel.advance(target)
             for n, (due, key) in enumerate(fired):
                 if n >= room:
                     wheel.schedule(key, due)  # back, still due: fires once there is room

@@ -1,0 +1,109 @@
+"""``tickwheel bench engine``: one shard engine loaded with N one-shot jobs, no I/O.
+
+Owns the workload: N one-shot jobs due over one hour are created through the engine (each batch
+acknowledged at once, as a disk that never waits), then the hour passes in one step and every
+job fires: a run created with its records and the job's position advanced. Reports creates and
+fires per second, and the process's resident memory per pending job. The anchor beside the fire
+rate is the loop teams write first: a heap of ``(due, job id)`` popped in Python, building a run
+record per pop, measured in the same run. Must never judge a figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import heapq
+import os
+import time
+
+from bench.common import Metric, SuiteResult
+from engine.effects import CreateJob, Durable, Persist
+from engine.jobs import validate_job
+from engine.schedules import format_utc
+from engine.shard import EngineConfig, ShardEngine
+
+T0 = 1_767_225_600_000
+HORIZON_MS = 3_600_000
+DEFAULT_PENDING = (100_000,)
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _due(i: int) -> int:
+    return T0 + 1000 + (i * 7_919) % HORIZON_MS
+
+
+def measure(n: int) -> dict[str, float]:
+    gc.collect()
+    rss0 = _rss()
+    engine = ShardEngine(epoch=1, wall_ms=T0, mono_ms=0, config=EngineConfig(ready_bound=n + 1))
+    start = time.perf_counter()
+    for i in range(n):
+        spec = validate_job(
+            {"id": f"job-{i:09d}", "schedule": {"at": format_utc(_due(i))}, "task": {"payload": i}},
+            now_ms=T0,
+        )
+        effects = engine.handle(CreateJob(i, spec), T0, 0)
+        persist = effects[0]
+        assert isinstance(persist, Persist)
+        engine.handle(Durable(persist.batch_id), T0, 0)
+    create_s = time.perf_counter() - start
+    gc.collect()
+    rss1 = _rss()
+    gc.disable()
+    try:
+        start = time.perf_counter()
+        effects = engine.tick(T0 + HORIZON_MS + 1000, HORIZON_MS + 1000)
+        fire_s = time.perf_counter() - start
+    finally:
+        gc.enable()
+    runs = sum(1 for e in effects if isinstance(e, Persist) for r in e.records if r["t"] == "run")
+    assert runs == n, (runs, n)
+    return {
+        "create_per_s": n / create_s,
+        "fires_per_s": runs / fire_s,
+        "bytes_per_pending": (rss1 - rss0) / n,
+    }
+
+
+def heap_poller(n: int) -> float:
+    """The anchor: pop due entries from a heap and build a run record per pop."""
+    heap = [(_due(i), f"job-{i:09d}") for i in range(n)]
+    heapq.heapify(heap)
+    now = T0 + HORIZON_MS + 1000
+    out = []
+    gc.disable()
+    try:
+        start = time.perf_counter()
+        while heap and heap[0][0] <= now:
+            due, job_id = heapq.heappop(heap)
+            out.append({"t": "run", "job": job_id, "at": due, "state": "PENDING", "att": 1})
+        elapsed = time.perf_counter() - start
+    finally:
+        gc.enable()
+    return len(out) / elapsed
+
+
+def run(args: argparse.Namespace) -> SuiteResult:
+    result = SuiteResult("engine")
+    for n in args.pending or DEFAULT_PENDING:
+        figures = measure(n)
+        anchor = heap_poller(n)
+        p = {"pending": n}
+        result.add(Metric("create_per_s", figures["create_per_s"], "jobs/s", p))
+        result.add(
+            Metric("fires_per_s", figures["fires_per_s"], "runs/s", p, "heapq poller", anchor)
+        )
+        result.add(Metric("resident_bytes_per_pending", figures["bytes_per_pending"], "bytes", p))
+    result.notes.extend(
+        [
+            "targets (issue 3): resident_bytes_per_pending <= 40 at 10M; fires_per_s >= 100,000 "
+            "(a Redis sorted-set poller driven from Python popped 83,000/s on this machine)",
+            "jobs are still Python objects in this version (spec, schedule, policy per job); "
+            "the columnar layout of DESIGN.md is what the memory target needs",
+        ]
+    )
+    return result

@@ -1,0 +1,24 @@
+"""`tickwheel bench engine` runs end to end and prints the shared JSON shape."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def test_engine_suite_json_shape() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "bench", "engine", "--pending", "2000", "--json"],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    ).stdout
+    data = json.loads(out)
+    assert data["suite"] == "engine" and data["machine"]["cores"]
+    names = {m["name"] for m in data["metrics"]}
+    assert names == {"create_per_s", "fires_per_s", "resident_bytes_per_pending"}
+    fires = next(m for m in data["metrics"] if m["name"] == "fires_per_s")
+    assert fires["pending"] == 2000 and fires["anchor"] == "heapq poller"
+    assert fires["value"] > 0 and fires["ratio"] == round(fires["value"] / fires["anchor_value"], 3)
