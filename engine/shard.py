@@ -610,7 +610,7 @@ class ShardEngine:
         if existing is not None and not self._jobs[existing].gone and not spec.replace:
             raise JobExists(f"job {spec.id!r} exists (set replace to overwrite)", field="id")
         if existing is not None and not self._jobs[existing].gone:
-            self._update(UpdateJob(cmd.request_id, spec))
+            self._update(UpdateJob(cmd.request_id, spec), as_create=True)
             return
         key = existing if existing is not None else self._next_key
         self._next_key = max(self._next_key, key + 1)
@@ -633,7 +633,7 @@ class ShardEngine:
             return at
         return nxt
 
-    def _update(self, cmd: UpdateJob) -> None:
+    def _update(self, cmd: UpdateJob, *, as_create: bool = False) -> None:
         job = self._job(cmd.spec.id)
         old_tier = job.spec.policy.tier
         self._fire_wheel(old_tier).cancel(job.key)
@@ -644,7 +644,8 @@ class ShardEngine:
             self._emit(rec.make("skip", key=job.key, lo=job.next_due, hi=self._wall, n=-1, why=why))
         self._emit_job(job.key, job.version + 1, cmd.spec)
         job.acct = max(job.acct, self._wall)
-        job.next_due = self._first_due_after_update(job)
+        # A replacing create owes what a fresh create would (a past one-shot time fires).
+        job.next_due = self._first_due(cmd.spec) if as_create else self._first_due_after_update(job)
         self._persist_pos(job)
         self._arm(job)
         self._reply_after_durable(cmd.request_id, self._describe(job))
@@ -1072,10 +1073,11 @@ class ShardEngine:
         if cmd.outcome not in ("success", "failed", "timed_out", "killed"):
             raise EngineUsageError(f"unknown outcome {cmd.outcome!r}", field="outcome")
         run = self._matching(cmd.worker_id, cmd.run_id, cmd.token, cmd.outcome)
+        # Credits come only from the worker's own Pull (its free slots as it sees them): adding
+        # one here as well would over-commit it when its Pull overtakes this report.
         worker = self._workers.get(cmd.worker_id)
         if worker is not None and run is not None:
             worker.runs.discard(run.ref)
-            worker.credits += 1
         if run is None:
             return
         run.exit = cmd.exit_code

@@ -661,3 +661,28 @@ def test_catchup_beyond_the_enumeration_bound_keeps_the_newest() -> None:
     node.advance(1)
     (run,) = node.runs().values()
     assert run["at"] >= node.wall - 1000
+
+
+def test_credits_come_from_pull_only_so_a_late_report_does_not_overcommit() -> None:
+    node = Node()
+    worker(node, credits=1)
+    once(node, "a")
+    once(node, "b")
+    once(node, "c")
+    node.advance(1000)
+    (first,) = node.tickets()
+    node.do(Pull("w1", 1))  # finished locally: one slot free again ...
+    node.do(ReportFinished("w1", first.run_id, first.token, "success", 0))  # ... report later
+    assert len(node.tickets()) == 2
+
+
+def test_replacing_create_with_a_past_one_shot_time_fires_it() -> None:
+    node = Node()
+    worker(node)
+    once(node, "r", in_s=3600)
+    from engine.schedules import format_utc
+
+    reply = node.create(id="r", schedule={"at": format_utc(node.wall - 5000)}, replace=True)
+    assert reply is not None and reply.error is None
+    node.advance(1)
+    assert [t.job_id for t in node.tickets()] == ["r"]
