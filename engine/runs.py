@@ -68,6 +68,10 @@ TRANSITIONS: Final[dict[tuple[RunState, RunEvent], RunState]] = {
 FINAL_STATES: Final = frozenset({S.SUCCESS, S.FAILED, S.TIMED_OUT, S.LOST, S.SKIPPED, S.CANCELLED})
 #: States in which a worker may hold the run.
 IN_FLIGHT_STATES: Final = frozenset({S.CLAIMED, S.RUNNING})
+# The same sets by value: an enum member hashes through Python code, its str value in C, and
+# the engine asks these on every fire.
+FINAL_VALUES: Final = frozenset(s.value for s in FINAL_STATES)
+IN_FLIGHT_VALUES: Final = frozenset(s.value for s in IN_FLIGHT_STATES)
 
 
 class IllegalTransition(EngineStateError):

@@ -61,8 +61,8 @@ from engine.errors import EngineError, EngineStateError, EngineUsageError, TimeW
 from engine.jobs import JobSpec, retry_delay_ms, validate_job
 from engine.records import Record
 from engine.runs import (
-    FINAL_STATES,
-    IN_FLIGHT_STATES,
+    FINAL_VALUES,
+    IN_FLIGHT_VALUES,
     RunEvent,
     RunState,
     fencing_token,
@@ -265,7 +265,7 @@ class ShardEngine:
                 self._count_pending(run, +1)
             run.slot = self._alloc_slot()
             self._slot_run[run.slot] = run.ref
-            if run.state in IN_FLIGHT_STATES:
+            if run.state.value in IN_FLIGHT_VALUES:
                 run.worker = None
                 run.grace = True
                 self._set_run_timer(run, "grace", self._mono + self.config.reattach_grace_ms)
@@ -521,21 +521,27 @@ class ShardEngine:
 
     def _apply_run(self, r: Record, recovering: bool) -> None:
         ref = (r["key"], r["at"])
-        state = RunState(r["state"])
         job = self._jobs[r["key"]]
         run = self._runs.get(ref)
+        if not recovering and run is not None:
+            # Live, the run object already holds what the record says (the record was made
+            # from it); only the job's bookkeeping follows. The recovery tests compare both.
+            state = run.state
+        else:
+            state = RunState(r["state"])
         if run is None:
             spec = (
                 job.spec if r["ver"] == job.version else validate_job(r["spec"], now_ms=self._wall)
             )
             run = _Run(r["key"], r["at"], spec, r["ver"])
             self._runs[ref] = run
-        run.state, run.attempt, run.token, run.worker = state, r["att"], r["tok"], r["w"]
-        run.due, run.failures, run.timeouts = r["due"], r["fail"], r["tmo"]
-        run.source, run.exit, run.why = r["src"], r["exit"], r["why"]
-        if run.source is not None:
-            self._sources[run.source] = ref
-        if state in FINAL_STATES:
+        if recovering:
+            run.state, run.attempt, run.token, run.worker = state, r["att"], r["tok"], r["w"]
+            run.due, run.failures, run.timeouts = r["due"], r["fail"], r["tmo"]
+            run.source, run.exit, run.why = r["src"], r["exit"], r["why"]
+            if run.source is not None:
+                self._sources[run.source] = ref
+        if state.value in FINAL_VALUES:
             job.active.discard(ref)
             if job.buffered == ref:
                 job.buffered = None
@@ -808,7 +814,7 @@ class ShardEngine:
         if ref in self._runs:
             return  # one run per fire time: a repeated creation is a no-op
         overlap = job.spec.policy.overlap
-        busy = [r for r in sorted(job.active) if r != job.buffered]
+        busy = [r for r in sorted(job.active) if r != job.buffered] if job.active else []
         buffered = False
         if busy and overlap == "skip":
             self._skip_one(job, at, source)
@@ -821,7 +827,7 @@ class ShardEngine:
         if busy and overlap == "cancel_previous":
             for r in busy:
                 prev = self._runs[r]
-                if prev.worker is not None and prev.state in IN_FLIGHT_STATES:
+                if prev.worker is not None and prev.state.value in IN_FLIGHT_VALUES:
                     self._out.append(Kill(prev.worker, prev.run_id, prev.token, "cancel_previous"))
                 self._finalize(prev, RunEvent.CANCEL, why="cancel_previous")
         run = _Run(job.key, at, job.spec, job.version, source=source)
@@ -895,7 +901,7 @@ class ShardEngine:
         self._worker_timers.schedule(worker.slot, self._mono + self.config.worker_lease_ms)
         for rid, token in held:
             run = self._run_by_id(rid)
-            if run is None or run.token != token or run.state not in IN_FLIGHT_STATES:
+            if run is None or run.token != token or run.state.value not in IN_FLIGHT_VALUES:
                 # A superseded or finished attempt: the worker must not carry on with it.
                 self._out.append(Kill(worker.worker_id, rid, token, "superseded"))
                 continue
@@ -933,7 +939,7 @@ class ShardEngine:
     def _worker_lost_run(self, run: _Run) -> None:
         """The worker holding ``run`` is gone or no longer has it: at-least-once goes out
         again; at-most-once waits the reattach grace, then is LOST."""
-        if run.state not in IN_FLIGHT_STATES:
+        if run.state.value not in IN_FLIGHT_VALUES:
             return
         run.worker = None
         self._clear_run_timer(run)
@@ -954,7 +960,7 @@ class ShardEngine:
         kind = self._run_timer_kind.pop(slot, None)
         ref = self._slot_run.get(slot)
         run = self._runs.get(ref) if ref is not None else None
-        if run is None or kind is None or run.state not in IN_FLIGHT_STATES:
+        if run is None or kind is None or run.state.value not in IN_FLIGHT_VALUES:
             return
         if kind == "grace":
             if run.spec.policy.delivery == "at_least_once":
@@ -1043,7 +1049,7 @@ class ShardEngine:
 
     def _matching(self, worker_id: str, rid: str, token: int, what: str) -> _Run | None:
         run = self._run_by_id(rid)
-        if run is not None and run.token == token and run.state in IN_FLIGHT_STATES:
+        if run is not None and run.token == token and run.state.value in IN_FLIGHT_VALUES:
             if run.worker == worker_id:
                 return run
             worker = self._workers.get(worker_id)

@@ -242,12 +242,16 @@ class ShardMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def superseded_report(self, data: st.DataObject) -> None:
         rid = data.draw(st.sampled_from(sorted(self.old_tokens)))
+        self.node.absorb(self.node.engine.tick(self.node.wall, self.node.mono))  # settle first
+        self.observe()
         before = self.node.engine.run_state(rid)
-        records_before = len(self.node.unacked)
+        batches_before = len(self.node.unacked)
         self.node.do(ReportFinished("w0", rid, self.old_tokens[rid], "success", 0))
         assert self.node.engine.run_state(rid) == before
-        for batch in self.node.unacked[records_before:]:
-            assert all(r["t"] == "note" for r in batch.records)
+        job_id, at = rid.rsplit("@", 1)
+        for batch in self.node.unacked[batches_before:]:
+            for r in batch.records:
+                assert not (r["t"] == "run" and r["at"] == int(at)), r
         self.observe()
 
     # ------------------------------------------------------------------ the promises
