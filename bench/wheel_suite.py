@@ -70,6 +70,19 @@ def _pairs(keys: np.ndarray[Any, Any], dues: np.ndarray[Any, Any]) -> Any:
         yield from zip(keys[a : a + CHUNK].tolist(), dues[a : a + CHUNK].tolist(), strict=True)
 
 
+def _measure_fires(
+    out: dict[str, float],
+    runner: Callable[[list[int]], Callable[[], int]],
+    coarse: list[int],
+    fine: list[int],
+) -> None:
+    """Time the structure's fire loop over the coarse steps, then the 1 ms steps."""
+    for label, limits in (("coarse", coarse), ("fine", fine)):
+        elapsed, fired = _timed(runner(limits))
+        out[f"fire_{label}_per_s"] = fired / elapsed
+        out[f"fire_{label}_count"] = fired
+
+
 def measure(structure: str, n: int, seed: int = 1) -> dict[str, float]:
     """Run the workload on one structure in this process; return its raw figures."""
     keys, dues = _workload(n, seed)
@@ -114,10 +127,7 @@ def measure(structure: str, n: int, seed: int = 1) -> dict[str, float]:
 
             return run
 
-        for label, limits in (("coarse", coarse_until), ("fine", fine_until)):
-            elapsed, fired = _timed(fire(limits))
-            out[f"fire_{label}_per_s"] = fired / elapsed
-            out[f"fire_{label}_count"] = fired
+        _measure_fires(out, fire, coarse_until, fine_until)
         alive = keys[dues > fine_until[-1]]
         victims = cancel_rng.choice(alive, size=alive.size // 10, replace=False).tolist()
 
@@ -161,10 +171,7 @@ def measure(structure: str, n: int, seed: int = 1) -> dict[str, float]:
 
             return run
 
-        for label, limits in (("coarse", coarse_until), ("fine", fine_until)):
-            elapsed, fired = _timed(pop(limits))
-            out[f"fire_{label}_per_s"] = fired / elapsed
-            out[f"fire_{label}_count"] = fired
+        _measure_fires(out, pop, coarse_until, fine_until)
         return out
 
     if structure == "sortedlist":
@@ -195,10 +202,7 @@ def measure(structure: str, n: int, seed: int = 1) -> dict[str, float]:
 
             return run
 
-        for label, limits in (("coarse", coarse_until), ("fine", fine_until)):
-            elapsed, fired = _timed(pop_sl(limits))
-            out[f"fire_{label}_per_s"] = fired / elapsed
-            out[f"fire_{label}_count"] = fired
+        _measure_fires(out, pop_sl, coarse_until, fine_until)
         mask = dues > fine_until[-1]
         alive_pairs = np.stack([dues[mask], keys[mask]], axis=1)
         pick = cancel_rng.choice(
