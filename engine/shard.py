@@ -201,6 +201,7 @@ class ShardEngine:
         self._next_key = 0
         self._runs: dict[RunRef, _Run] = {}
         self._sources: dict[str, RunRef] = {}  # triggered runs by source run id
+        self._trigger_at: dict[int, int] = {}  # the last time given to a triggered run, per job
         self._workers: dict[str, _Worker] = {}
         self._ready: dict[str, deque[RunRef]] = {}
         # PENDING runs in memory per tier (ready, waiting for durability, a retry or a buffer):
@@ -837,9 +838,13 @@ class ShardEngine:
         self._runs[ref] = run
         if source is not None:
             self._sources[source] = ref
+        if at > self._wall:
+            run.due = at  # a triggered run, ready at its own time
         self._persist_run(run, buffered=buffered)
         if buffered:
             job.buffered = ref
+        elif run.due is not None:
+            self._retry.schedule(run.slot, run.due)
         else:
             self._ready_after_durable.append(ref)
 
@@ -852,9 +857,13 @@ class ShardEngine:
             self._reply_after_durable(cmd.request_id, {"duplicate": True})
             return
         job = self._job(cmd.job_id)
-        at = self._wall
-        while (job.key, at) in self._runs:
+        # A triggered run's time is just after now, after any earlier trigger of the job and
+        # never on its next scheduled fire: its run id (job@ms) then names no other run, past
+        # (those are all at or before now) or owed. It waits until that millisecond.
+        at = max(self._wall + 1, self._trigger_at.get(job.key, 0) + 1)
+        while (job.key, at) in self._runs or at == job.next_due:
             at += 1
+        self._trigger_at[job.key] = at
         self._new_run(job, at, source=cmd.source_run_id)
         self._reply_after_durable(cmd.request_id, {"run_id": run_id(job.spec.id, at)})
 
@@ -1161,7 +1170,11 @@ class ShardEngine:
             buffered = self._runs[job.buffered]
             job.buffered = None
             self._persist_run(buffered)  # no longer marked buffered
-            self._ready_after_durable.append(buffered.ref)
+            if buffered.due is not None and buffered.due > self._wall:
+                self._retry.schedule(buffered.slot, buffered.due)  # a triggered run's own time
+            else:
+                buffered.due = None
+                self._ready_after_durable.append(buffered.ref)
 
     # =============================================================== inspection (tests, sim)
 

@@ -466,6 +466,7 @@ def test_after_dependency_and_trigger_dedupe() -> None:
     assert trigger.job_id == "down"
     for _ in range(2):  # delivered twice: the second is a repeat
         node.do(TriggerJob(node.request(), trigger.job_id, trigger.source_run_id))
+    node.advance(1)  # a triggered run is due the millisecond after its trigger
     downs = [tk for tk in node.tickets() if tk.job_id == "down"]
     assert len(downs) == 1
 
@@ -686,3 +687,21 @@ def test_replacing_create_with_a_past_one_shot_time_fires_it() -> None:
     assert reply is not None and reply.error is None
     node.advance(1)
     assert [t.job_id for t in node.tickets()] == ["r"]
+
+
+def test_triggered_runs_get_their_own_ids_and_never_go_out_early() -> None:
+    node = Node()
+    worker(node, credits=10)
+    node.create(id="t", schedule={"every": "10s", "start": ISO.format(10)})
+    node.advance(9_999)  # the next scheduled fire is 1 ms away
+    for n in range(3):  # three triggers in the same millisecond
+        node.do(TriggerJob(node.request(), "t", f"src@{n}"))
+    node.advance(10)
+    tickets = node.tickets()
+    ids = [t.run_id for t in tickets]
+    assert len(ids) == 4 and len(set(ids)) == 4  # three triggered runs and the scheduled one
+    assert f"t@{T0 + 10_000}" in ids  # the scheduled fire kept its own id
+    for t in tickets:
+        assert t.scheduled_ms <= node.wall
+    sent_at = {d.run.run_id: at for at, d in node.dispatches}
+    assert all(sent_at[t.run_id] >= t.scheduled_ms for t in tickets)

@@ -248,7 +248,7 @@ class ShardMachine(RuleBasedStateMachine):
         batches_before = len(self.node.unacked)
         self.node.do(ReportFinished("w0", rid, self.old_tokens[rid], "success", 0))
         assert self.node.engine.run_state(rid) == before
-        job_id, at = rid.rsplit("@", 1)
+        _job_id, at = rid.rsplit("@", 1)
         for batch in self.node.unacked[batches_before:]:
             for r in batch.records:
                 assert not (r["t"] == "run" and r["at"] == int(at)), r
