@@ -7,8 +7,11 @@ in (:meth:`ShardEngine.handle`, :meth:`ShardEngine.tick`); effects come out (rec
 runs to dispatch, replies, kills, cross-shard triggers). Must never do I/O, read a clock or draw
 randomness: the Trio node and the SimPy harness drive the very same code.
 
-State changes go through :meth:`ShardEngine._apply` of a record, live and on recovery alike, so a
-recovered engine is the fold of its durable records (DESIGN.md, "Delivery semantics").
+Every state change is written as a record in the same call, and every record passes through
+:meth:`ShardEngine._apply`: recovery rebuilds from them alone, so a recovered engine is the fold
+of its durable records (DESIGN.md, "Delivery semantics"). Live, a run's fields are set on the
+object the record is made from, and ``_apply`` only keeps the job's bookkeeping; the recovery
+tests compare a live engine with one rebuilt from its records.
 
 The rules, in short (the table of run states is :data:`engine.runs.TRANSITIONS`):
 
@@ -275,12 +278,16 @@ class ShardEngine:
 
     # =============================================================== the entry points
 
-    def handle(self, command: Command, wall_ms: int, mono_ms: int) -> list[Effect]:
+    def handle(
+        self, command: Command, wall_ms: int, mono_ms: int, *, epoch: int | None = None
+    ) -> list[Effect]:
         """Apply ``command`` at the given time; return the effects, in order.
 
         Time first moves to ``(wall_ms, mono_ms)`` (firing what is due), then the command
-        applies. A command the engine refuses is answered by a :class:`Reply` carrying the
-        typed error and changes nothing.
+        applies. A command the engine refuses is answered by a :class:`Reply` (or, for a
+        worker's command, a :class:`Refused`) carrying the typed error, and changes nothing.
+        ``epoch``, when the sender stamped one, must be this shard's: a command routed under an
+        older owner is refused with :class:`StaleEpoch`.
         """
         self._clock(wall_ms, mono_ms)
         self._run_due()
@@ -290,6 +297,11 @@ class ShardEngine:
             handler = _HANDLERS[type(command)]
             request_id = getattr(command, "request_id", None)
             try:
+                if epoch is not None and epoch != self.epoch:
+                    raise StaleEpoch(
+                        f"command stamped with epoch {epoch}; the shard is at {self.epoch}",
+                        field="epoch",
+                    )
                 handler(self, command)
             except EngineError as error:
                 if request_id is None:
@@ -479,7 +491,8 @@ class ShardEngine:
     # =============================================================== records
 
     def _apply(self, r: Record, *, recovering: bool) -> None:
-        """The one place state changes; the live path and recovery both come through here."""
+        """Apply one record: all of it on recovery; live, what the record's maker has not set
+        already (job bookkeeping, indexes)."""
         kind = r["t"]
         if recovering and r.get("e", 0) > self.epoch:
             raise StaleEpoch(f"record of epoch {r.get('e')} is newer than {self.epoch}")

@@ -13,6 +13,7 @@ from engine.effects import (
     PauseJob,
     Persist,
     Pull,
+    Reply,
     ReportFinished,
     ReportStarted,
     ResumeJob,
@@ -705,3 +706,23 @@ def test_triggered_runs_get_their_own_ids_and_never_go_out_early() -> None:
         assert t.scheduled_ms <= node.wall
     sent_at = {d.run.run_id: at for at, d in node.dispatches}
     assert all(sent_at[t.run_id] >= t.scheduled_ms for t in tickets)
+
+
+def test_a_command_stamped_with_an_older_epoch_is_refused_and_changes_nothing() -> None:
+    node = Node()
+    node.crash_and_recover()
+    before = len(node.durable_records)
+    spec = validate_job(
+        {"id": "s", "schedule": {"at": "2030-01-01T00:00:00Z"}, "task": {"shell": "true"}},
+        now_ms=node.wall,
+    )
+    from engine.effects import CreateJob
+
+    effects = node.engine.handle(CreateJob(99, spec), node.wall, node.mono, epoch=node.epoch - 1)
+    (reply,) = effects
+    assert isinstance(reply, Reply) and reply.error is not None
+    assert reply.error.code == "stale_epoch"
+    node.flush()
+    assert len(node.durable_records) == before
+    ok = node.engine.handle(CreateJob(100, spec), node.wall, node.mono, epoch=node.epoch)
+    assert isinstance(ok[0], Persist)
