@@ -1,8 +1,9 @@
 """``tickwheel bench engine``: one shard engine loaded with N one-shot jobs, no I/O.
 
 Owns the workload: N one-shot jobs due over one hour are created through the engine (each batch
-acknowledged at once, as a disk that never waits), then the hour passes in one step and every
-job fires: a run created with its records and the job's position advanced. Reports creates and
+acknowledged at once, as a disk that never waits), then the hour passes in ticks of one
+simulated second and every job fires: a run created with its records and the job's position
+advanced. Reports creates and
 fires per second, and the process's resident memory per pending job. The anchor beside the fire
 rate is the loop teams write first: a heap of ``(due, job id)`` popped in Python, building a run
 record per pop, measured in the same run. Must never judge a figure.
@@ -25,6 +26,7 @@ from engine.shard import EngineConfig, ShardEngine
 T0 = 1_767_225_600_000
 HORIZON_MS = 3_600_000
 DEFAULT_PENDING = (100_000,)
+STEP_MS = 1000
 
 
 def _rss() -> int:
@@ -55,12 +57,18 @@ def measure(n: int) -> dict[str, float]:
     rss1 = _rss()
     gc.disable()
     try:
+        runs = 0
         start = time.perf_counter()
-        effects = engine.tick(T0 + HORIZON_MS + 1000, HORIZON_MS + 1000)
+        # A driver under load wakes about every second; each tick fires what came due, and
+        # the disk acknowledges each batch at once.
+        for ms in range(STEP_MS, HORIZON_MS + 2 * STEP_MS, STEP_MS):
+            for effect in engine.tick(T0 + ms, ms):
+                if isinstance(effect, Persist):
+                    runs += sum(1 for r in effect.records if r["t"] == "run")
+                    engine.handle(Durable(effect.batch_id), T0 + ms, ms)
         fire_s = time.perf_counter() - start
     finally:
         gc.enable()
-    runs = sum(1 for e in effects if isinstance(e, Persist) for r in e.records if r["t"] == "run")
     assert runs == n, (runs, n)
     return {
         "create_per_s": n / create_s,

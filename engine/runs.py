@@ -68,8 +68,9 @@ TRANSITIONS: Final[dict[tuple[RunState, RunEvent], RunState]] = {
 FINAL_STATES: Final = frozenset({S.SUCCESS, S.FAILED, S.TIMED_OUT, S.LOST, S.SKIPPED, S.CANCELLED})
 #: States in which a worker may hold the run.
 IN_FLIGHT_STATES: Final = frozenset({S.CLAIMED, S.RUNNING})
-# The same sets by value: an enum member hashes through Python code, its str value in C, and
-# the engine asks these on every fire.
+# The same sets by value, asked as ``state._value_ in ...``: an enum member hashes, and its
+# ``.value`` property resolves, through Python code, its ``_value_`` attribute in C; the
+# engine asks these on every fire.
 FINAL_VALUES: Final = frozenset(s.value for s in FINAL_STATES)
 IN_FLIGHT_VALUES: Final = frozenset(s.value for s in IN_FLIGHT_STATES)
 

@@ -269,7 +269,7 @@ class ShardEngine:
                 self._count_pending(run, +1)
             run.slot = self._alloc_slot()
             self._slot_run[run.slot] = run.ref
-            if run.state.value in IN_FLIGHT_VALUES:
+            if run.state._value_ in IN_FLIGHT_VALUES:
                 run.worker = None
                 run.grace = True
                 self._set_run_timer(run, "grace", self._mono + self.config.reattach_grace_ms)
@@ -511,6 +511,8 @@ class ShardEngine:
             job.spec, job.version = spec, r["ver"]
             self._ids[spec.id] = r["key"]
         elif kind == "pos":
+            if not recovering:
+                return  # made from the job's fields, which are already set
             job = self._jobs[r["key"]]
             job.next_due, job.acct, job.paused, job.gone = (
                 r["next"],
@@ -555,7 +557,7 @@ class ShardEngine:
             run.source, run.exit, run.why = r["src"], r["exit"], r["why"]
             if run.source is not None:
                 self._sources[run.source] = ref
-        if state.value in FINAL_VALUES:
+        if state._value_ in FINAL_VALUES:
             job.active.discard(ref)
             if job.buffered == ref:
                 job.buffered = None
@@ -570,22 +572,24 @@ class ShardEngine:
                 job.buffered = None
 
     def _persist_run(self, run: _Run, *, buffered: bool = False) -> None:
-        record = rec.make(
-            "run",
-            key=run.key,
-            at=run.at,
-            state=run.state.value,
-            att=run.attempt,
-            tok=run.token,
-            w=run.worker,
-            ver=run.version,
-            due=run.due,
-            fail=run.failures,
-            tmo=run.timeouts,
-            src=run.source,
-            exit=run.exit,
-            why=run.why,
-        )
+        # A dict literal rather than records.make(): this runs for every state change.
+        record: Record = {
+            "t": "run",
+            "v": rec.FORMAT_VERSION,
+            "key": run.key,
+            "at": run.at,
+            "state": run.state._value_,
+            "att": run.attempt,
+            "tok": run.token,
+            "w": run.worker,
+            "ver": run.version,
+            "due": run.due,
+            "fail": run.failures,
+            "tmo": run.timeouts,
+            "src": run.source,
+            "exit": run.exit,
+            "why": run.why,
+        }
         if buffered:
             record["buf"] = True
         if run.version != self._jobs[run.key].version:
@@ -841,7 +845,7 @@ class ShardEngine:
         if busy and overlap == "cancel_previous":
             for r in busy:
                 prev = self._runs[r]
-                if prev.worker is not None and prev.state.value in IN_FLIGHT_VALUES:
+                if prev.worker is not None and prev.state._value_ in IN_FLIGHT_VALUES:
                     self._out.append(Kill(prev.worker, prev.run_id, prev.token, "cancel_previous"))
                 self._finalize(prev, RunEvent.CANCEL, why="cancel_previous")
         run = _Run(job.key, at, job.spec, job.version, source=source)
@@ -923,7 +927,7 @@ class ShardEngine:
         self._worker_timers.schedule(worker.slot, self._mono + self.config.worker_lease_ms)
         for rid, token in held:
             run = self._run_by_id(rid)
-            if run is None or run.token != token or run.state.value not in IN_FLIGHT_VALUES:
+            if run is None or run.token != token or run.state._value_ not in IN_FLIGHT_VALUES:
                 # A superseded or finished attempt: the worker must not carry on with it.
                 self._out.append(Kill(worker.worker_id, rid, token, "superseded"))
                 continue
@@ -961,7 +965,7 @@ class ShardEngine:
     def _worker_lost_run(self, run: _Run) -> None:
         """The worker holding ``run`` is gone or no longer has it: at-least-once goes out
         again; at-most-once waits the reattach grace, then is LOST."""
-        if run.state.value not in IN_FLIGHT_VALUES:
+        if run.state._value_ not in IN_FLIGHT_VALUES:
             return
         run.worker = None
         self._clear_run_timer(run)
@@ -982,7 +986,7 @@ class ShardEngine:
         kind = self._run_timer_kind.pop(slot, None)
         ref = self._slot_run.get(slot)
         run = self._runs.get(ref) if ref is not None else None
-        if run is None or kind is None or run.state.value not in IN_FLIGHT_VALUES:
+        if run is None or kind is None or run.state._value_ not in IN_FLIGHT_VALUES:
             return
         if kind == "grace":
             if run.spec.policy.delivery == "at_least_once":
@@ -1071,7 +1075,7 @@ class ShardEngine:
 
     def _matching(self, worker_id: str, rid: str, token: int, what: str) -> _Run | None:
         run = self._run_by_id(rid)
-        if run is not None and run.token == token and run.state.value in IN_FLIGHT_VALUES:
+        if run is not None and run.token == token and run.state._value_ in IN_FLIGHT_VALUES:
             if run.worker == worker_id:
                 return run
             worker = self._workers.get(worker_id)
@@ -1205,7 +1209,7 @@ class ShardEngine:
             },
             "runs": {
                 run.run_id: (
-                    run.state.value,
+                    run.state._value_,
                     run.attempt,
                     run.token,
                     run.due,
