@@ -6,7 +6,7 @@ logic: what a command does is decided in :mod:`engine.shard`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import EngineError
@@ -215,13 +215,3 @@ class ClockJump:
 
 
 Effect = Persist | Dispatch | Kill | Reply | Refused | Trigger | ClockJump
-
-
-@dataclass
-class Effects:
-    """Effects of one call, in order. A thin list with typed views for drivers and tests."""
-
-    items: list[Effect] = field(default_factory=list)
-
-    def of(self, kind: type[Any]) -> list[Any]:
-        return [e for e in self.items if isinstance(e, kind)]

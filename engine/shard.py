@@ -380,7 +380,7 @@ class ShardEngine:
             ref = self._slot_run.get(slot)
             run = self._runs.get(ref) if ref is not None else None
             if run is not None and run.state is RunState.PENDING:
-                run.due = None
+                # ``due`` stays as recorded: a ready time in the past means ready.
                 self._enqueue(run)
         for tier in sorted(self._fire):
             self._fire_tier(tier)
@@ -439,7 +439,7 @@ class ShardEngine:
             ready, self._ready_after_durable = self._ready_after_durable, []
             for ref in ready:
                 run = self._runs.get(ref)
-                if run is not None and run.state is RunState.PENDING and run.due is None:
+                if run is not None and run.state is RunState.PENDING and self._due_now(run):
                     self._enqueue(run)
             if ready:
                 self._dispatch_all()
@@ -464,7 +464,7 @@ class ShardEngine:
             self._out.extend(self._still_valid(self._held.pop(b, [])))
             for ref in self._held_ready.pop(b, ()):
                 run = self._runs.get(ref)
-                if run is not None and run.state is RunState.PENDING and run.due is None:
+                if run is not None and run.state is RunState.PENDING and self._due_now(run):
                     self._enqueue(run)
         self._durable = max(self._durable, batch_id)
         self._dispatch_all()
@@ -1008,11 +1008,13 @@ class ShardEngine:
             run.queued = True
             self._ready.setdefault(run.spec.policy.tier, deque()).append(run.ref)
 
+    def _due_now(self, run: _Run) -> bool:
+        return run.due is None or run.due <= self._wall
+
     def _queue_or_wait(self, run: _Run) -> None:
         if run.due is not None and run.due > self._wall:
             self._retry.schedule(run.slot, run.due)
         elif self._jobs[run.key].buffered != run.ref:
-            run.due = None
             self._enqueue(run)
 
     def _dispatch_all(self) -> None:
@@ -1190,7 +1192,6 @@ class ShardEngine:
             if buffered.due is not None and buffered.due > self._wall:
                 self._retry.schedule(buffered.slot, buffered.due)  # a triggered run's own time
             else:
-                buffered.due = None
                 self._ready_after_durable.append(buffered.ref)
 
     # =============================================================== inspection (tests, sim)

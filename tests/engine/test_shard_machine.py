@@ -24,6 +24,7 @@ from engine.effects import (
     ReportStarted,
     ResumeJob,
     TriggerJob,
+    UpdateJob,
     WorkerHello,
 )
 from engine.jobs import validate_job
@@ -138,6 +139,23 @@ class ShardMachine(RuleBasedStateMachine):
         self.delivery[job] = delivery
         self.observe()
 
+    @rule(
+        job=st.sampled_from(JOBS),
+        every_s=st.sampled_from([3, 7, 11]),
+        overlap=st.sampled_from(["allow", "skip", "buffer_one", "cancel_previous"]),
+    )
+    def update(self, job: str, every_s: int, overlap: str) -> None:
+        spec = {
+            "id": job,
+            "schedule": {"every": f"{every_s}s", "start": format_utc(self.node.wall)},
+            "task": {"payload": [job, every_s]},
+            "delivery": self.delivery.get(job, "at_least_once"),
+            "overlap": overlap,
+            "timeout": "4s",
+        }
+        self.node.do(UpdateJob(self.node.request(), validate_job(spec, now_ms=self.node.wall)))
+        self.observe()
+
     @rule(job=st.sampled_from(JOBS), op=st.sampled_from(["pause", "resume", "cancel", "stop"]))
     def change(self, job: str, op: str) -> None:
         rid = self.node.request()
@@ -245,6 +263,11 @@ class ShardMachine(RuleBasedStateMachine):
         self.node.absorb(self.node.engine.tick(self.node.wall, self.node.mono))  # settle first
         self.observe()
         before = self.node.engine.run_state(rid)
+        current = self.node.engine.snapshot()["runs"].get(rid)
+        if current is not None and current[2] <= self.old_tokens[rid]:
+            # A crash rolled the run back to the claim that token belongs to: it is the
+            # current attempt again as far as the durable state knows, not a superseded one.
+            return
         batches_before = len(self.node.unacked)
         self.node.do(ReportFinished("w0", rid, self.old_tokens[rid], "success", 0))
         assert self.node.engine.run_state(rid) == before
@@ -267,8 +290,9 @@ class ShardMachine(RuleBasedStateMachine):
         skips: defaultdict[int, list[tuple[int, int]]] = defaultdict(list)
         for r in self.node.durable_records:
             if r["t"] == "job":
-                # Only creates write job records here (no updates): a new life of the key,
-                # owing fire times from its own creation on.
+                # A create or an update: from here the key owes the new version's fire times
+                # from its next position on (what the old version owed was checked as it went:
+                # its runs and skips are in the log before this record).
                 jobs[r["key"]] = r["spec"]
                 created.pop(r["key"], None)
                 runs = {ref for ref in runs if ref[0] != r["key"]}
