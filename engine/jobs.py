@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Final
 
@@ -367,18 +367,22 @@ def _env(value: object) -> dict[str, str]:
     return out
 
 
-def _parse_task(value: object) -> dict[str, object]:
+def _object(value: object, field: str, what: str, known: Iterable[str]) -> Mapping[str, object]:
+    """``value`` as a mapping whose keys are all in ``known``; else a JobSpecError naming
+    ``field`` (not a mapping) or the first unknown key under it."""
     if not isinstance(value, Mapping):
-        raise JobSpecError(
-            f"must be an object with one of {', '.join(TASK_KINDS)}, got {_kind(value)}",
-            field="task",
-        )
+        raise JobSpecError(f"must be an object with {what}, got {_kind(value)}", field=field)
+    known = tuple(known)
     for key in value:
-        if key not in _TASK_KEYS:
+        if key not in known:
             raise JobSpecError(
-                f"unknown key {key!r}; known keys: {', '.join(sorted(_TASK_KEYS))}",
-                field=_sub("task", key),
+                f"unknown key {key!r}; known keys: {', '.join(known)}", field=_sub(field, key)
             )
+    return value
+
+
+def _parse_task(value: object) -> dict[str, object]:
+    value = _object(value, "task", f"one of {', '.join(TASK_KINDS)}", sorted(_TASK_KEYS))
     kinds = [k for k in TASK_KINDS if k in value]
     if not kinds:
         raise JobSpecError(f"one of {', '.join(TASK_KINDS)} is required", field="task")
@@ -407,18 +411,9 @@ def _parse_task(value: object) -> dict[str, object]:
             raise JobSpecError("must be a non-empty shell script", field="task.shell")
         task = {"shell": script}
     else:
-        box = value["container"]
-        if not isinstance(box, Mapping):
-            raise JobSpecError(
-                f"must be an object with image and optional args, got {_kind(box)}",
-                field="task.container",
-            )
-        for key in box:
-            if key not in _CONTAINER_KEYS:
-                raise JobSpecError(
-                    f"unknown key {key!r}; known keys: {', '.join(_CONTAINER_KEYS)}",
-                    field=_sub("task.container", key),
-                )
+        box = _object(
+            value["container"], "task.container", "image and optional args", _CONTAINER_KEYS
+        )
         if "image" not in box:
             raise JobSpecError("is required", field="task.container.image")
         image = _text(box["image"], "task.container.image")
@@ -538,17 +533,7 @@ def _parse_on_timeout(value: object) -> tuple[str, int, str | None]:
 
 
 def _parse_retries(value: object) -> tuple[int, int, float, int]:
-    if not isinstance(value, Mapping):
-        raise JobSpecError(
-            f"must be an object with max, backoff, factor, max_backoff, got {_kind(value)}",
-            field="retries",
-        )
-    for key in value:
-        if key not in _RETRY_KEYS:
-            raise JobSpecError(
-                f"unknown key {key!r}; known keys: {', '.join(_RETRY_KEYS)}",
-                field=_sub("retries", key),
-            )
+    value = _object(value, "retries", "max, backoff, factor, max_backoff", _RETRY_KEYS)
     count = _int(value.get("max", 0), "retries.max", 0, MAX_RETRIES)
     backoff = (
         _duration(value["backoff"], "retries.backoff")
