@@ -732,21 +732,18 @@ class ShardEngine:
     # =============================================================== firing
 
     def _fire_tier(self, tier: str) -> None:
+        """Fire what is due in ``tier``, no more than its ready bound leaves room for: the rest
+        of a burst stays in the wheel (due, and first in line), not as runs in memory."""
         wheel = self._fire[tier]
         while self._tier_open(tier):
             nd = wheel.next_due()
             if nd is None or nd > self._wall:
                 return
             room = self.config.ready_bound - self._pending.get(tier, 0)
-            # With room for everything the wheel holds, fire all that is due at once; else
-            # advance to the earliest due only, so that a burst is taken a slot at a time and
-            # a full tier stops firing instead of materialising every run of the burst.
-            target = self._wall if len(wheel) <= room else max(nd, wheel.now_ms)
-            fired = wheel.advance(target)
-            for n, (due, key) in enumerate(fired):
-                if n >= room:
-                    wheel.schedule(key, due)  # back, still due: fires once there is room
-                    continue
+            fired = wheel.advance(self._wall, limit=room)
+            if not fired:
+                return
+            for due, key in fired:
                 self._fire_job(self._jobs[key], due)
 
     def _fire_job(self, job: _Job, due: int) -> None:

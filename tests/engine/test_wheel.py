@@ -35,9 +35,9 @@ class Reference:
     def cancel(self, key: int) -> bool:
         return self.due.pop(key, None) is not None
 
-    def advance(self, now_ms: int) -> list[tuple[int, int]]:
+    def advance(self, now_ms: int, limit: int | None = None) -> list[tuple[int, int]]:
         self.now = now_ms
-        fired = sorted((d, k) for k, d in self.due.items() if d <= now_ms)
+        fired = sorted((d, k) for k, d in self.due.items() if d <= now_ms)[:limit]
         for _d, k in fired:
             del self.due[k]
         return fired
@@ -124,6 +124,12 @@ class WheelMachine(RuleBasedStateMachine):
         now = self.model.now + step
         assert self.wheel.advance(now) == self.model.advance(now)
 
+    @rule(step=time_steps, limit=st.integers(0, 40))
+    def advance_limited(self, step: int, limit: int) -> None:
+        # A consumer that can take only `limit` entries: the rest stay due, earliest first.
+        now = self.model.now + step
+        assert self.wheel.advance(now, limit=limit) == self.model.advance(now, limit)
+
     @precondition(lambda self: self.model.now > 0)
     @rule(back=st.integers(1, 10_000))
     def time_never_goes_backwards(self, back: int) -> None:
@@ -185,7 +191,8 @@ def test_seeded_stress_checks_invariants_after_every_step(seed: int) -> None:
                 assert wheel.cancel(k) == model.cancel(k)
         else:
             now = model.now + rng.choice([0, 1, rng.randrange(100), 10**5, rng.randrange(10**9)])
-            assert wheel.advance(now) == model.advance(now)
+            limit = rng.choice([None, None, 0, 7, 500, 3000])
+            assert wheel.advance(now, limit=limit) == model.advance(now, limit)
         assert len(wheel) == len(model.due)
         wheel._check()
 
