@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: install test lint bench clean
+.PHONY: install test lint bench fuzz clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -25,6 +25,12 @@ lint: $(STAMP)
 # pytest-benchmark micro-benchmarks; the CLI suites (`tickwheel bench wheel`) print the figures.
 bench: $(STAMP)
 	$(BIN)/pytest -q bench --benchmark-only --benchmark-columns=min,mean,ops,rounds
+
+# The property and state-machine tests with fresh random examples, ten rounds (a few minutes).
+fuzz: $(STAMP)
+	for i in 1 2 3 4 5 6 7 8 9 10; do \
+		HYPOTHESIS_PROFILE=fuzz $(BIN)/pytest -q -p no:cacheprovider tests/engine || exit 1; \
+	done
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis .benchmarks
