@@ -64,6 +64,17 @@ class TriggerJob:
 
 
 @dataclass(frozen=True)
+class RegisterDependent:
+    """On the shard of ``upstream``: ``downstream`` runs after each successful run of it
+    (``on``), or no longer does. Repeats are harmless."""
+
+    request_id: int
+    upstream: str
+    downstream: str
+    on: bool = True
+
+
+@dataclass(frozen=True)
 class OutboxDelivered:
     seq: int
 
@@ -126,6 +137,7 @@ Command = (
     | ResumeJob
     | GetJob
     | TriggerJob
+    | RegisterDependent
     | OutboxDelivered
     | WorkerHello
     | Heartbeat
@@ -206,6 +218,17 @@ class Trigger:
 
 
 @dataclass(frozen=True)
+class Register:
+    """Deliver ``RegisterDependent(upstream, downstream, on)`` to the upstream job's shard (at
+    least once), then acknowledge with ``OutboxDelivered(seq)``."""
+
+    seq: int
+    upstream: str
+    downstream: str
+    on: bool
+
+
+@dataclass(frozen=True)
 class ClockJump:
     """The wall clock ran ahead of the monotonic clock by more than the bound; the engine
     keeps following the monotonic clock, so nothing fires early."""
@@ -214,4 +237,4 @@ class ClockJump:
     engine_ms: int
 
 
-Effect = Persist | Dispatch | Kill | Reply | Refused | Trigger | ClockJump
+Effect = Persist | Dispatch | Kill | Reply | Refused | Trigger | Register | ClockJump

@@ -18,7 +18,10 @@ Shapes (every record also has ``"t"``: its type, ``"v"``: the format version):
 * ``note``: ``key, at, tok, what, exit`` — a report that did not count (a superseded attempt's),
   kept in the run's history.
 * ``out`` / ``outdone``: ``seq, job, src`` — a cross-shard trigger in the outbox, and its
-  delivery.
+  delivery; with ``dep`` set (``{"up", "on"}``) instead a registration of ``job`` as a
+  dependent of ``up`` (or its removal), sent to ``up``'s shard.
+* ``dep``: ``up, down, on`` — on the upstream's shard: ``down`` runs after each success of
+  ``up`` (or no longer does).
 * ``epoch``: ``epoch`` — the shard was opened by a new owner or incarnation.
 """
 
@@ -32,7 +35,9 @@ FORMAT_VERSION: Final = 1
 
 Record = dict[str, Any]
 
-RECORD_TYPES: Final = frozenset({"job", "pos", "run", "skip", "note", "out", "outdone", "epoch"})
+RECORD_TYPES: Final = frozenset(
+    {"job", "pos", "run", "skip", "note", "out", "outdone", "dep", "epoch"}
+)
 
 
 class UnknownRecord(EngineStateError):

@@ -50,6 +50,8 @@ from engine.effects import (
     Persist,
     Pull,
     Refused,
+    Register,
+    RegisterDependent,
     Reply,
     ReportFinished,
     ReportStarted,
@@ -239,6 +241,8 @@ class ShardEngine:
         self._next_slot = 0
         self._live_spec: JobSpec | None = None
         self._outbox: dict[int, Record] = {}
+        # upstream job id -> ids of jobs (on any shard) that run after its successes
+        self._dependents: dict[str, set[str]] = {}
         self._outbox_seq = 0
         # Effects waiting for a batch to be durable: batch id -> effects / runs to queue.
         self._held: dict[int, list[Effect]] = {}
@@ -274,8 +278,8 @@ class ShardEngine:
             engine._apply(rec.check(record), recovering=True)
         engine._after_recovery()
         engine._emit(rec.make("epoch", epoch=epoch))
-        for seq, out in sorted(engine._outbox.items()):
-            engine._after_durable.append(Trigger(seq, out["job"], out["src"]))
+        for _seq, out in sorted(engine._outbox.items()):
+            engine._after_durable.append(engine._outbox_effect(out))
         return engine, engine._finish()
 
     def _after_recovery(self) -> None:
@@ -544,6 +548,14 @@ class ShardEngine:
         elif kind == "out":
             self._outbox[r["seq"]] = r
             self._outbox_seq = max(self._outbox_seq, r["seq"])
+        elif kind == "dep":
+            downs = self._dependents.setdefault(r["up"], set())
+            if r["on"]:
+                downs.add(r["down"])
+            else:
+                downs.discard(r["down"])
+                if not downs:
+                    del self._dependents[r["up"]]
         elif kind == "outdone":
             self._outbox.pop(r["seq"], None)
         elif kind == "epoch":
@@ -658,6 +670,7 @@ class ShardEngine:
         self._next_key = max(self._next_key, key + 1)
         version = self._jobs[key].version + 1 if existing is not None else 1
         self._emit_job(key, version, spec)
+        self._send_registrations(spec.id, (), spec.after)
         job = self._jobs[key]
         job.gone, job.buffered = False, None
         job.acct = self._wall - 1  # nothing before its creation is owed
@@ -684,7 +697,9 @@ class ShardEngine:
             # new version replaces them, and the record says so.
             why = "paused" if job.paused else "updated"
             self._emit(rec.make("skip", key=job.key, lo=job.next_due, hi=self._wall, n=-1, why=why))
+        old_after = job.spec.after
         self._emit_job(job.key, job.version + 1, cmd.spec)
+        self._send_registrations(cmd.spec.id, old_after, cmd.spec.after)
         job.acct = max(job.acct, self._wall)
         # A replacing create owes what a fresh create would (a past one-shot time fires).
         job.next_due = self._first_due(cmd.spec) if as_create else self._first_due_after_update(job)
@@ -698,6 +713,7 @@ class ShardEngine:
     def _cancel(self, cmd: CancelJob) -> None:
         job = self._job(cmd.job_id)
         self._fire_wheel(job.spec.policy.tier).cancel(job.key)
+        self._send_registrations(job.spec.id, job.spec.after, ())
         if job.next_due is not None and job.next_due <= self._wall:
             why = "paused" if job.paused else "cancelled"
             self._emit(rec.make("skip", key=job.key, lo=job.next_due, hi=self._wall, n=-1, why=why))
@@ -900,10 +916,34 @@ class ShardEngine:
         self._reply_after_durable(cmd.request_id, {"run_id": run_id(job.spec.id, at)})
 
     def _send_trigger(self, target_job: str, source: _Run) -> None:
+        self._send(rec.make("out", seq=0, job=target_job, src=source.run_id))
+
+    def _send_registrations(self, job_id: str, old: tuple[str, ...], new: tuple[str, ...]) -> None:
+        """Tell the shards of the jobs ``job_id`` runs after: added ones, and dropped ones."""
+        for up in sorted(set(new) - set(old)):
+            self._send(rec.make("out", seq=0, job=job_id, src=None, dep={"up": up, "on": True}))
+        for up in sorted(set(old) - set(new)):
+            self._send(rec.make("out", seq=0, job=job_id, src=None, dep={"up": up, "on": False}))
+
+    def _send(self, record: Record) -> None:
+        """Put ``record`` in the durable outbox; its effect leaves once it is durable."""
         self._outbox_seq += 1
-        seq = self._outbox_seq
-        self._emit(rec.make("out", seq=seq, job=target_job, src=source.run_id))
-        self._after_durable.append(Trigger(seq, target_job, source.run_id))
+        record["seq"] = self._outbox_seq
+        self._emit(record)
+        self._after_durable.append(self._outbox_effect(record))
+
+    @staticmethod
+    def _outbox_effect(out: Record) -> Effect:
+        dep = out.get("dep")
+        if dep is not None:
+            return Register(out["seq"], dep["up"], out["job"], dep["on"])
+        return Trigger(out["seq"], out["job"], out["src"])
+
+    def _register(self, cmd: RegisterDependent) -> None:
+        known = cmd.downstream in self._dependents.get(cmd.upstream, ())
+        if known != cmd.on:
+            self._emit(rec.make("dep", up=cmd.upstream, down=cmd.downstream, on=cmd.on))
+        self._reply_after_durable(cmd.request_id, {"registered": cmd.on})
 
     def _outbox_delivered(self, cmd: OutboxDelivered) -> None:
         if cmd.seq in self._outbox:
@@ -1176,9 +1216,10 @@ class ShardEngine:
         self._retry.schedule(run.slot, run.due)
 
     def _after_success(self, run: _Run) -> None:
-        for job in self._jobs.values():
-            if not job.gone and run.spec.id in job.spec.after:
-                self._send_trigger(job.spec.id, run)
+        # Dependents registered here by their own shards (this one included), so a success
+        # costs a lookup, not a scan of every job.
+        for down in sorted(self._dependents.get(run.spec.id, ())):
+            self._send_trigger(down, run)
 
     def _release_worker(self, run: _Run) -> None:
         if run.worker is not None:
@@ -1235,6 +1276,7 @@ class ShardEngine:
                 for run in self._runs.values()
             },
             "outbox": sorted(self._outbox),
+            "dependents": {up: sorted(downs) for up, downs in self._dependents.items()},
         }
 
 
@@ -1246,6 +1288,7 @@ _HANDLERS: dict[type[Any], Any] = {
     ResumeJob: ShardEngine._resume,
     GetJob: ShardEngine._get,
     TriggerJob: ShardEngine._trigger,
+    RegisterDependent: ShardEngine._register,
     OutboxDelivered: ShardEngine._outbox_delivered,
     WorkerHello: ShardEngine._hello,
     Heartbeat: ShardEngine._heartbeat,

@@ -15,6 +15,7 @@ from engine.effects import (
     Effect,
     Kill,
     Persist,
+    Register,
     Reply,
     RunTicket,
     Trigger,
@@ -44,6 +45,7 @@ class Node:
     dispatches: list[tuple[int, Dispatch]] = field(default_factory=list)  # (wall, dispatch)
     kills: list[Kill] = field(default_factory=list)
     triggers: list[Trigger] = field(default_factory=list)
+    registrations: list[Register] = field(default_factory=list)
     jumps: list[ClockJump] = field(default_factory=list)
     next_request: int = 0
 
@@ -67,6 +69,8 @@ class Node:
                 self.kills.append(effect)
             elif isinstance(effect, Trigger):
                 self.triggers.append(effect)
+            elif isinstance(effect, Register):
+                self.registrations.append(effect)
             elif isinstance(effect, ClockJump):
                 self.jumps.append(effect)
         if self.auto_durable:
@@ -95,6 +99,16 @@ class Node:
         end = self.mono + ms
         while self.mono < end:
             self.advance(min(step, end - self.mono))
+
+    def deliver_registrations(self, to: Node | None = None) -> None:
+        """Deliver outbox registrations to the upstream's shard (this one unless ``to``)."""
+        from engine.effects import OutboxDelivered, RegisterDependent
+
+        target = to or self
+        while self.registrations:
+            reg = self.registrations.pop(0)
+            target.do(RegisterDependent(target.request(), reg.upstream, reg.downstream, reg.on))
+            self.do(OutboxDelivered(reg.seq))
 
     def crash_and_recover(self, *, downtime_ms: int = 0) -> None:
         """Lose everything not acknowledged, then reopen the shard at the next epoch."""

@@ -422,11 +422,15 @@ def test_recovery_reproduces_the_durable_state() -> None:
     node.run_until(130_000, step=1000)
     t = node.tickets()[0]
     node.do(ReportFinished("w1", t.run_id, t.token, "failed", 2))
+    node.create(id="d", schedule={"at": "2030-01-01T00:00:00Z"}, after=["e", "c"])
+    node.deliver_registrations()
     live = node.engine.snapshot()
+    assert live["dependents"] == {"c": ["d"], "e": ["d"]}
     node.crash_and_recover()
     recovered = node.engine.snapshot()
     assert recovered["jobs"] == live["jobs"]
     assert recovered["runs"] == live["runs"]
+    assert recovered["dependents"] == live["dependents"]
 
 
 def test_recover_refuses_an_epoch_not_newer_than_the_records() -> None:
@@ -460,6 +464,7 @@ def test_after_dependency_and_trigger_dedupe() -> None:
     worker(node)
     once(node, "up")
     node.create(id="down", schedule={"at": "2030-01-01T00:00:00Z"}, after=["up"])
+    node.deliver_registrations()  # "down" registers with the shard of "up" (here the same)
     node.advance(1000)
     t = node.tickets()[-1]
     node.do(ReportFinished("w1", t.run_id, t.token, "success", 0))
@@ -726,3 +731,35 @@ def test_a_command_stamped_with_an_older_epoch_is_refused_and_changes_nothing() 
     assert len(node.durable_records) == before
     ok = node.engine.handle(CreateJob(100, spec), node.wall, node.mono, epoch=node.epoch)
     assert isinstance(ok[0], Persist)
+
+
+def test_after_across_two_shards_through_both_outboxes() -> None:
+    a, b = Node(), Node()  # two shards; "up" lives on a, "down" on b
+    worker(a, "wa")
+    worker(b, "wb")
+    once(a, "up")
+    b.create(id="down", schedule={"at": "2030-01-01T00:00:00Z"}, after=["up"])
+    assert [(r.upstream, r.downstream, r.on) for r in b.registrations] == [("up", "down", True)]
+    b.deliver_registrations(to=a)
+    assert b.durable_records[-1]["t"] == "outdone"
+    a.crash_and_recover()  # the registration is durable on a
+    worker(a, "wa")  # workers say hello again after a restart
+    a.advance(1000)
+    t = a.tickets("wa")[-1]
+    a.do(ReportFinished("wa", t.run_id, t.token, "success", 0))
+    (trigger,) = a.triggers
+    assert (trigger.job_id, trigger.source_run_id) == ("down", t.run_id)
+    b.do(TriggerJob(b.request(), trigger.job_id, trigger.source_run_id))
+    b.advance(1)
+    assert [tk.job_id for tk in b.tickets("wb")] == ["down"]
+    # Cancelling "down" unregisters it: the next success of "up" triggers nothing.
+    b.do(CancelJob(b.request(), "down"))
+    assert [(r.upstream, r.on) for r in b.registrations] == [("up", False)]
+    b.deliver_registrations(to=a)
+    a.triggers.clear()
+    once(a, "up2")
+    a.do(TriggerJob(a.request(), "up", "manual@1"))
+    a.advance(1)
+    t2 = [tk for tk in a.tickets("wa") if tk.job_id == "up"][-1]
+    a.do(ReportFinished("wa", t2.run_id, t2.token, "success", 0))
+    assert a.triggers == []
