@@ -115,6 +115,9 @@ class EngineConfig:
     max_clock_jump_ms: int = 5_000
     #: bound on fire times enumerated by one catch-up decision
     max_enumerate: int = 100_000
+    #: how long a triggered run's source is remembered to ignore a redelivered trigger; an
+    #: outbox redelivers until acknowledged, so this bounds how late a redelivery may come
+    trigger_dedupe_ms: int = 86_400_000
 
     def __post_init__(self) -> None:
         if self.reattach_grace_ms < self.worker_lease_ms:
@@ -223,7 +226,10 @@ class ShardEngine:
         self._ids: dict[str, int] = {}
         self._next_key = 0
         self._runs: dict[RunRef, _Run] = {}
-        self._sources: dict[str, RunRef] = {}  # triggered runs by source run id
+        # Triggered runs by source run id, to ignore a redelivered trigger. Kept for
+        # trigger_dedupe_ms after the run's time (insertion order is time order, so the oldest
+        # are pruned from the front).
+        self._sources: dict[str, RunRef] = {}
         self._trigger_at: dict[int, int] = {}  # the last time given to a triggered run, per job
         self._workers: dict[str, _Worker] = {}
         self._ready: dict[str, deque[RunRef]] = {}
@@ -562,7 +568,7 @@ class ShardEngine:
             if recovering and r["epoch"] >= self.epoch:
                 raise StaleEpoch(f"shard already opened at epoch {r['epoch']} (>= {self.epoch})")
         elif kind == "skip" and r.get("src") is not None:
-            self._sources[r["src"]] = (r["key"], r["lo"])
+            self._remember_source(r["src"], (r["key"], r["lo"]))
         # Otherwise "skip" and "note" are history only: nothing in memory depends on them.
 
     def _apply_run(self, r: Record, recovering: bool) -> None:
@@ -586,7 +592,7 @@ class ShardEngine:
             run.due, run.failures, run.timeouts = r["due"], r["fail"], r["tmo"]
             run.source, run.exit, run.why = r["src"], r["exit"], r["why"]
             if run.source is not None:
-                self._sources[run.source] = ref
+                self._remember_source(run.source, ref)
         if state._value_ in FINAL_VALUES:
             job.discard_active(ref)
             if job.buffered == ref:
@@ -885,7 +891,7 @@ class ShardEngine:
         self._slot_run[run.slot] = ref
         self._runs[ref] = run
         if source is not None:
-            self._sources[source] = ref
+            self._remember_source(source, ref)
         if at > self._wall:
             run.due = at  # a triggered run, ready at its own time
         self._persist_run(run, buffered=buffered)
@@ -914,6 +920,15 @@ class ShardEngine:
         self._trigger_at[job.key] = at
         self._new_run(job, at, source=cmd.source_run_id)
         self._reply_after_durable(cmd.request_id, {"run_id": run_id(job.spec.id, at)})
+
+    def _remember_source(self, source: str, ref: RunRef) -> None:
+        self._sources[source] = ref
+        horizon = self._wall - self.config.trigger_dedupe_ms
+        while self._sources:
+            oldest = next(iter(self._sources))
+            if self._sources[oldest][1] >= horizon:
+                break
+            del self._sources[oldest]
 
     def _send_trigger(self, target_job: str, source: _Run) -> None:
         self._send(rec.make("out", seq=0, job=target_job, src=source.run_id))

@@ -763,3 +763,15 @@ def test_after_across_two_shards_through_both_outboxes() -> None:
     t2 = [tk for tk in a.tickets("wa") if tk.job_id == "up"][-1]
     a.do(ReportFinished("wa", t2.run_id, t2.token, "success", 0))
     assert a.triggers == []
+
+
+def test_trigger_sources_are_forgotten_after_the_dedupe_window() -> None:
+    node = Node(config=cfg(trigger_dedupe_ms=60_000))
+    once(node, "t", in_s=10**6)
+    node.do(TriggerJob(node.request(), "t", "src@1"))
+    node.advance(30_000)
+    node.do(TriggerJob(node.request(), "t", "src@2"))
+    assert set(node.engine._sources) == {"src@1", "src@2"}
+    node.advance(40_000)  # src@1 is now older than the window
+    node.do(TriggerJob(node.request(), "t", "src@3"))
+    assert set(node.engine._sources) == {"src@2", "src@3"}
