@@ -71,3 +71,33 @@ class PolicyRecordError(EngineStateError):
     """A stored policy table is malformed, or a job refers to a policy id the table lacks."""
 
     code = "bad_policy"
+
+
+class StaleEpoch(EngineStateError):
+    """A command or record from an older epoch of this shard: its owner has been fenced off."""
+
+    code = "stale_epoch"
+
+
+class IllegalTransition(EngineStateError):
+    """A run state change the table does not allow: a bug in the caller, or a corrupt record."""
+
+    code = "illegal_transition"
+
+
+class UnknownRecord(EngineStateError):
+    """A record of a type or format version this engine cannot read."""
+
+    code = "unknown_record"
+
+
+class JobNotFound(EngineUsageError):
+    """No job with that id on this shard (or it was cancelled)."""
+
+    code = "not_found"
+
+
+class JobExists(EngineUsageError):
+    """A create for an id that exists, without ``replace``."""
+
+    code = "exists"

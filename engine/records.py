@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from typing import Any, Final
 
-from engine.errors import EngineStateError
+from engine.errors import UnknownRecord
 
 FORMAT_VERSION: Final = 1
 
@@ -38,12 +38,6 @@ Record = dict[str, Any]
 RECORD_TYPES: Final = frozenset(
     {"job", "pos", "run", "skip", "note", "out", "outdone", "dep", "epoch"}
 )
-
-
-class UnknownRecord(EngineStateError):
-    """A record of a type or format version this engine cannot read."""
-
-    code = "unknown_record"
 
 
 def make(kind: str, **fields: Any) -> Record:

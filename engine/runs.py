@@ -12,7 +12,7 @@ import enum
 import re
 from typing import Final
 
-from engine.errors import EngineStateError, EngineUsageError
+from engine.errors import EngineStateError, EngineUsageError, IllegalTransition
 
 
 class RunState(enum.StrEnum):
@@ -73,12 +73,6 @@ IN_FLIGHT_STATES: Final = frozenset({S.CLAIMED, S.RUNNING})
 # engine asks these on every fire.
 FINAL_VALUES: Final = frozenset(s.value for s in FINAL_STATES)
 IN_FLIGHT_VALUES: Final = frozenset(s.value for s in IN_FLIGHT_STATES)
-
-
-class IllegalTransition(EngineStateError):
-    """A state change the table does not allow: a bug in the caller, or a corrupt record."""
-
-    code = "illegal_transition"
 
 
 def transition(state: RunState, event: RunEvent) -> RunState:

@@ -62,7 +62,14 @@ from engine.effects import (
     UpdateJob,
     WorkerHello,
 )
-from engine.errors import EngineError, EngineStateError, EngineUsageError, TimeWentBackwards
+from engine.errors import (
+    EngineError,
+    EngineUsageError,
+    JobExists,
+    JobNotFound,
+    StaleEpoch,
+    TimeWentBackwards,
+)
 from engine.jobs import JobSpec, retry_delay_ms, validate_job
 from engine.records import Record
 from engine.runs import (
@@ -75,6 +82,7 @@ from engine.runs import (
     run_id,
     transition,
 )
+from engine.schedules import AtSchedule
 from engine.wheel import TimingWheel
 
 RunRef = tuple[int, int]  # (job key, scheduled ms)
@@ -82,20 +90,6 @@ RunRef = tuple[int, int]  # (job key, scheduled ms)
 # The trusted wall-minus-monotonic offset may grow by 1 ms per this many ms (NTP slews at
 # most 0.5 ms per s): a real forward correction is followed slowly, a jump never.
 _SLEW_DIVISOR = 1000
-
-
-class StaleEpoch(EngineStateError):
-    """A command or record from an older epoch of this shard: its owner has been fenced off."""
-
-    code = "stale_epoch"
-
-
-class JobNotFound(EngineUsageError):
-    code = "not_found"
-
-
-class JobExists(EngineUsageError):
-    code = "exists"
 
 
 @dataclass(frozen=True)
@@ -689,41 +683,33 @@ class ShardEngine:
     def _first_due(self, spec: JobSpec) -> int | None:
         # A one-shot time already past is still owed: the caller asked for that run.
         nxt = spec.schedule.next_after(self._wall - 1)
-        if nxt is None and spec.schedule.to_spec().get("at") is not None:
-            at = spec.schedule.next_after(-(2**62))
-            return at
+        if nxt is None and isinstance(spec.schedule, AtSchedule):
+            return spec.schedule.next_after(-(2**62))
         return nxt
 
     def _update(self, cmd: UpdateJob, *, as_create: bool = False) -> None:
         job = self._job(cmd.spec.id)
         old_tier = job.spec.policy.tier
         self._fire_wheel(old_tier).cancel(job.key)
-        if job.next_due is not None and job.next_due <= self._wall:
-            # Owed under the old version but not fired (paused, or its tier was full): the
-            # new version replaces them, and the record says so.
-            why = "paused" if job.paused else "updated"
-            self._emit(rec.make("skip", key=job.key, lo=job.next_due, hi=self._wall, n=-1, why=why))
+        self._skip_unfired(job, "updated")  # the new version replaces them
         old_after = job.spec.after
         self._emit_job(job.key, job.version + 1, cmd.spec)
         self._send_registrations(cmd.spec.id, old_after, cmd.spec.after)
         job.acct = max(job.acct, self._wall)
         # A replacing create owes what a fresh create would (a past one-shot time fires).
-        job.next_due = self._first_due(cmd.spec) if as_create else self._first_due_after_update(job)
+        if as_create:
+            job.next_due = self._first_due(cmd.spec)
+        else:
+            job.next_due = cmd.spec.schedule.next_after(job.acct)
         self._persist_pos(job)
         self._arm(job)
         self._reply_after_durable(cmd.request_id, self._describe(job))
-
-    def _first_due_after_update(self, job: _Job) -> int | None:
-        return job.spec.schedule.next_after(job.acct)
 
     def _cancel(self, cmd: CancelJob) -> None:
         job = self._job(cmd.job_id)
         self._fire_wheel(job.spec.policy.tier).cancel(job.key)
         self._send_registrations(job.spec.id, job.spec.after, ())
-        if job.next_due is not None and job.next_due <= self._wall:
-            why = "paused" if job.paused else "cancelled"
-            self._emit(rec.make("skip", key=job.key, lo=job.next_due, hi=self._wall, n=-1, why=why))
-            job.acct = max(job.acct, self._wall)
+        self._skip_unfired(job, "cancelled")
         job.gone = True
         self._persist_pos(job)
         for ref in sorted(job.active):
@@ -807,7 +793,9 @@ class ShardEngine:
                 window = [t for t in owed if t >= now - policy.catchup_window_ms]
                 keep = window[-policy.max_catchup :]
             keep_set = set(keep)
-            self._skip_ranges(job, [t for t in owed if t not in keep_set], reason)
+            skipped = [t for t in owed if t not in keep_set]
+            if skipped:  # always a prefix of owed: the policies keep the newest
+                self._skip(job, skipped[0], skipped[-1], len(skipped), reason)
             run_at.extend(keep)
         for at in run_at:
             self._new_run(job, at)
@@ -845,24 +833,24 @@ class ShardEngine:
             if t is None or t > now:
                 break
             start = now - (now - start) // 2
-        why = job.skip_reason
-        hi = start if not tail else tail[0] - 1
-        self._emit(rec.make("skip", key=job.key, lo=first, hi=hi, n=-1, why=why))
+        self._skip(job, first, start if not tail else tail[0] - 1, -1, job.skip_reason)
         return tail, t
 
-    def _skip_ranges(self, job: _Job, times: list[int], reason: str) -> None:
-        if times:
-            self._emit(
-                rec.make(
-                    "skip", key=job.key, lo=min(times), hi=max(times), n=len(times), why=reason
-                )
-            )
-
-    def _skip_one(self, job: _Job, at: int, source: str | None) -> None:
-        record = rec.make("skip", key=job.key, lo=at, hi=at, n=1, why="overlap")
+    def _skip(
+        self, job: _Job, lo: int, hi: int, n: int, why: str, source: str | None = None
+    ) -> None:
+        """Record ``n`` fire times in ``[lo, hi]`` not run (``n=-1``: all of them, uncounted)."""
+        record = rec.make("skip", key=job.key, lo=lo, hi=hi, n=n, why=why)
         if source is not None:
             record["src"] = source  # so a redelivered trigger is still recognised
         self._emit(record)
+
+    def _skip_unfired(self, job: _Job, why: str) -> None:
+        """Account for fire times owed but not fired yet (paused, or the tier was full) when
+        the job changes under them."""
+        if job.next_due is not None and job.next_due <= self._wall:
+            self._skip(job, job.next_due, self._wall, -1, "paused" if job.paused else why)
+            job.acct = max(job.acct, self._wall)
 
     def _new_run(self, job: _Job, at: int, source: str | None = None) -> None:
         ref = (job.key, at)
@@ -872,11 +860,11 @@ class ShardEngine:
         busy = [r for r in sorted(job.active) if r != job.buffered] if job.active else []
         buffered = False
         if busy and overlap == "skip":
-            self._skip_one(job, at, source)
+            self._skip(job, at, at, 1, "overlap", source)
             return
         if busy and overlap == "buffer_one":
             if job.buffered is not None:
-                self._skip_one(job, at, source)
+                self._skip(job, at, at, 1, "overlap", source)
                 return
             buffered = True
         if busy and overlap == "cancel_previous":

@@ -21,10 +21,10 @@ from engine.effects import (
     UpdateJob,
     WorkerHello,
 )
-from engine.errors import TimeWentBackwards
+from engine.errors import IllegalTransition, StaleEpoch, TimeWentBackwards
 from engine.jobs import validate_job
-from engine.runs import TRANSITIONS, IllegalTransition, RunEvent, RunState, transition
-from engine.shard import EngineConfig, ShardEngine, StaleEpoch
+from engine.runs import TRANSITIONS, RunEvent, RunState, transition
+from engine.shard import EngineConfig, ShardEngine
 from tests.engine.harness import T0, Node
 
 ISO = "2026-01-01T00:00:{:02d}Z"
