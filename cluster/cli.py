@@ -18,6 +18,7 @@ BENCH_SUITES: dict[str, tuple[str, str]] = {
     "wheel": ("bench.wheel_suite", "timing wheel vs heapq and SortedList: rates and bytes"),
     "schedules": ("bench.schedules_suite", "next fire times of many cron jobs, cached vs not"),
     "engine": ("bench.engine_suite", "one shard engine: creates, fires and bytes per pending job"),
+    "store": ("bench.store_suite", "shard store: group commit, recovery and bytes on disk"),
 }
 
 
@@ -54,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--jobs", type=_positive_int, metavar="N", help="number of jobs (suites that use it)"
         )
+
+    # The simulation owns its options; sim.cli imports SimPy and the engine only inside run().
+    sim = sub.add_parser("sim", help="run seeds of the fault-injection simulation")
+    importlib.import_module("sim.cli").add_arguments(sim)
     return parser
 
 
@@ -66,6 +71,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = module.run(args)
         emit(result, as_json=args.json)
         return 0
+    if args.command == "sim":
+        run_sim: int = importlib.import_module("sim.cli").run(args)
+        return run_sim
     raise AssertionError(f"unhandled command {args.command!r}")  # argparse rejects others
 
 
