@@ -1,0 +1,63 @@
+"""Where a shard engine looks up what it does not keep in memory: job ids and job specs.
+
+The engine holds per-job columns (version, profile, flags, next fire time) for tens of millions
+of jobs; the id string, the task, the payload and the labels stay in the store (DESIGN.md,
+"Memory budget"). A :class:`JobDirectory` is the read side of that store as far as the engine
+needs it: the key of an id, and the latest *durable* spec of a key. Jobs whose records are not
+durable yet are the engine's own business (it keeps them until they are).
+
+Must never be asked for anything the engine decides on the hot path of firing: lookups happen
+on commands that name a job, on claims (to fill a run ticket) and on reports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any, Protocol
+
+from engine.records import Record
+
+
+class JobDirectory(Protocol):
+    """Read access to a shard's durable jobs. Implementations: :class:`MemoryDirectory` (tests,
+    simulation) and the RocksDB store (``wal/``)."""
+
+    def key_of(self, job_id: str) -> int | None:
+        """The dense key of ``job_id`` in this shard, or None when no durable record names it."""
+        ...
+
+    def latest(self, key: int) -> tuple[int, Mapping[str, Any]] | None:
+        """``(version, spec dict)`` of the newest durable ``job`` record of ``key``, or None."""
+        ...
+
+
+class MemoryDirectory:
+    """A :class:`JobDirectory` kept in memory, fed with durable records in log order.
+
+    What a store would answer after those records were committed. O(1) per lookup; memory is
+    one dict entry per job, which is fine for tests and the simulation and is exactly what the
+    engine must not hold itself at scale.
+    """
+
+    __slots__ = ("_ids", "_specs")
+
+    def __init__(self, records: Iterable[Record] = ()) -> None:
+        self._ids: dict[str, int] = {}
+        self._specs: dict[int, tuple[int, Mapping[str, Any]]] = {}
+        self.absorb(records)
+
+    def absorb(self, records: Iterable[Record]) -> None:
+        """Take in durable records (only ``job`` records matter here)."""
+        for r in records:
+            if r["t"] == "job":
+                self._ids[r["id"]] = r["key"]
+                self._specs[r["key"]] = (r["ver"], r["spec"])
+
+    def key_of(self, job_id: str) -> int | None:
+        return self._ids.get(job_id)
+
+    def latest(self, key: int) -> tuple[int, Mapping[str, Any]] | None:
+        return self._specs.get(key)
+
+    def __len__(self) -> int:
+        return len(self._specs)
