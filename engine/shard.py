@@ -92,6 +92,10 @@ RunRef = tuple[int, int]  # (job key, scheduled ms)
 _SLEW_DIVISOR = 1000
 
 
+#: The engine's guards that :attr:`EngineConfig.mutants` may switch off.
+ENGINE_MUTANTS = frozenset({"claim-after-fire", "no-redispatch"})
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Tunables; every duration in ms. Defaults suit a production node."""
@@ -112,8 +116,16 @@ class EngineConfig:
     #: how long a triggered run's source is remembered to ignore a redelivered trigger; an
     #: outbox redelivers until acknowledged, so this bounds how late a redelivery may come
     trigger_dedupe_ms: int = 86_400_000
+    #: guards switched off on purpose, so the simulation can prove its checks catch the fault:
+    #: "claim-after-fire" (an at-most-once run sent before its claim is durable) and
+    #: "no-redispatch" (at-least-once runs of a lapsed worker lease not handed out again).
+    #: Empty in production; never set it outside tests.
+    mutants: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
+        unknown = self.mutants - ENGINE_MUTANTS
+        if unknown:
+            raise EngineUsageError(f"unknown mutants {sorted(unknown)}", field="mutants")
         if self.reattach_grace_ms < self.worker_lease_ms:
             raise EngineUsageError(
                 "reattach grace must be at least the worker lease", field="reattach_grace_ms"
@@ -1028,6 +1040,8 @@ class ShardEngine:
         run.worker = None
         self._clear_run_timer(run)
         if run.spec.policy.delivery == "at_least_once":
+            if "no-redispatch" in self.config.mutants:
+                return  # the mutant: the run stays with its lapsed worker forever
             self._requeue(run, "worker lost it")
         else:
             run.grace = True
@@ -1118,7 +1132,7 @@ class ShardEngine:
             timeout_ms=policy.timeout_ms,
             task=run.spec.task,
         )
-        if policy.delivery == "at_most_once":
+        if policy.delivery == "at_most_once" and "claim-after-fire" not in self.config.mutants:
             self._after_durable.append(Dispatch(worker.worker_id, ticket))  # claim first
         else:
             self._out.append(Dispatch(worker.worker_id, ticket))
