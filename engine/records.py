@@ -8,8 +8,13 @@ holds everything recovery needs and nothing it does not. Must never touch storag
 Shapes (every record also has ``"t"``: its type, ``"v"``: the format version):
 
 * ``job``: ``key, id, ver, spec`` — a job's full normalized spec at version ``ver``.
-* ``pos``: ``key, next, acct, paused, gone`` — where a job stands: its next fire time (None when
-  exhausted), the fire time up to which every owed time is accounted for, paused, cancelled.
+* ``pos``: ``key, next, acct, paused, gone, why`` — where a job stands: its next fire time (None
+  when exhausted), the fire time up to which every owed time is accounted for, paused,
+  cancelled, and the reason late fires will be skipped for (``paused`` right after a resume).
+* ``fire``: ``keys, ats, vers, next`` — parallel lists, one entry per on-time fire: job
+  ``keys[i]`` fired at ``ats[i]``, creating its run PENDING at attempt 1 for version
+  ``vers[i]``, and its next fire time is now ``next[i]``. Exactly what a ``run`` record and a
+  ``pos`` record per fire would say, at a fraction of the bytes; :func:`expand` gives those.
 * ``run``: ``key, at, state, att, tok, w, ver, due, fail, tmo, src, exit, why`` — one run of job
   ``key`` scheduled at ``at``: its state, attempt, fencing token, worker, pinned job version,
   the time a PENDING retry becomes ready, its failure and timeout counts, the source run of a
@@ -36,8 +41,11 @@ FORMAT_VERSION: Final = 1
 Record = dict[str, Any]
 
 RECORD_TYPES: Final = frozenset(
-    {"job", "pos", "run", "skip", "note", "out", "outdone", "dep", "epoch"}
+    {"job", "pos", "fire", "run", "skip", "note", "out", "outdone", "dep", "epoch"}
 )
+
+#: ``acct`` of a ``pos`` record for a job with no fire time left: every time is accounted for.
+ACCT_EXHAUSTED: Final = 2**62
 
 
 def make(kind: str, **fields: Any) -> Record:
@@ -57,3 +65,47 @@ def check(record: object) -> Record:
     if not isinstance(version, int) or version > FORMAT_VERSION or version < 1:
         raise UnknownRecord(f"record format {version!r} is not readable (this is {FORMAT_VERSION})")
     return record
+
+
+def expand(record: Record) -> list[Record]:
+    """``record`` in canonical records: a ``fire`` record becomes, per fire, the ``run`` record
+    of the new PENDING run and the ``pos`` record of its job; any other record is itself.
+
+    For readers that index runs one by one (the store's run history, tests' checkers).
+    """
+    if record["t"] != "fire":
+        return [record]
+    out: list[Record] = []
+    epoch = record.get("e")
+    for key, at, ver, nxt in zip(
+        record["keys"], record["ats"], record["vers"], record["next"], strict=True
+    ):
+        run = make(
+            "run",
+            key=key,
+            at=at,
+            state="PENDING",
+            att=1,
+            tok=0,
+            w=None,
+            ver=ver,
+            due=None,
+            fail=0,
+            tmo=0,
+            src=None,
+            exit=None,
+            why=None,
+        )
+        pos = make(
+            "pos",
+            key=key,
+            next=nxt,
+            acct=ACCT_EXHAUSTED if nxt is None else nxt - 1,
+            paused=False,
+            gone=False,
+            why="catchup",
+        )
+        if epoch is not None:
+            run["e"] = pos["e"] = epoch
+        out += (run, pos)
+    return out

@@ -151,6 +151,16 @@ class TimingWheel:
             return None if due == NOT_PENDING else due
         return None
 
+    def dues(self) -> Int64Array:
+        """The due column: element ``k`` is key ``k``'s pending due, or :data:`NOT_PENDING`.
+
+        A read-only view, valid until the next call that schedules a key beyond its length.
+        O(1); for exporting a snapshot in bulk.
+        """
+        view = np.frombuffer(self._due, dtype=np.int64)
+        view.flags.writeable = False
+        return view
+
     def __contains__(self, key: object) -> bool:
         return isinstance(key, int) and self.due_of(key) is not None
 

@@ -9,7 +9,18 @@ import sys
 
 def test_engine_suite_json_shape() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "bench", "engine", "--pending", "2000", "--json"],
+        [
+            sys.executable,
+            "-m",
+            "cluster.cli",
+            "bench",
+            "engine",
+            "--pending",
+            "2000",
+            "--jobs",
+            "500",
+            "--json",
+        ],
         check=True,
         capture_output=True,
         text=True,
@@ -18,7 +29,12 @@ def test_engine_suite_json_shape() -> None:
     data = json.loads(out)
     assert data["suite"] == "engine" and data["machine"]["cores"]
     names = {m["name"] for m in data["metrics"]}
-    assert names == {"create_per_s", "fires_per_s", "resident_bytes_per_pending"}
+    assert names == {
+        "create_per_s",
+        "fires_per_s",
+        "resident_bytes_per_pending",
+        "load_pending_per_s",
+    }
     fires = [m for m in data["metrics"] if m["name"] == "fires_per_s"]
     assert sorted(m["mode"] for m in fires) == ["burst", "steady"]
     for m in fires:

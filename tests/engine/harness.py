@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.directory import MemoryDirectory
 from engine.effects import (
     ClockJump,
     Command,
@@ -21,8 +22,9 @@ from engine.effects import (
     Trigger,
 )
 from engine.jobs import validate_job
-from engine.records import Record
+from engine.records import Record, expand
 from engine.shard import EngineConfig, ShardEngine
+from engine.snapshot import Snapshot
 
 T0 = 1_767_225_600_000  # 2026-01-01T00:00:00Z
 
@@ -48,10 +50,18 @@ class Node:
     registrations: list[Register] = field(default_factory=list)
     jumps: list[ClockJump] = field(default_factory=list)
     next_request: int = 0
+    #: the newest columnar snapshot and how many durable records it reflects
+    snapshot: tuple[Snapshot, int] | None = None
 
     def __post_init__(self) -> None:
+        # The store's view: only what was acknowledged durable, as a real node's directory.
+        self.directory = MemoryDirectory()
         self.engine = ShardEngine(
-            epoch=self.epoch, wall_ms=self.wall, mono_ms=self.mono, config=self.config
+            epoch=self.epoch,
+            wall_ms=self.wall,
+            mono_ms=self.mono,
+            config=self.config,
+            directory=self.directory,
         )
 
     # ------------------------------------------------------------------ driving
@@ -81,6 +91,7 @@ class Node:
         while self.unacked and (upto is None or self.unacked[0].batch_id <= upto):
             batch = self.unacked.pop(0)
             self.durable_records.extend(batch.records)
+            self.directory.absorb(batch.records)
             self.absorb(self.engine.handle(Durable(batch.batch_id), self.wall, self.mono))
 
     def do(self, command: Command) -> Reply | None:
@@ -110,18 +121,33 @@ class Node:
             target.do(RegisterDependent(target.request(), reg.upstream, reg.downstream, reg.on))
             self.do(OutboxDelivered(reg.seq))
 
-    def crash_and_recover(self, *, downtime_ms: int = 0) -> None:
-        """Lose everything not acknowledged, then reopen the shard at the next epoch."""
+    def take_snapshot(self) -> None:
+        """Store a columnar snapshot, as a store does once the batch it reflects is durable."""
+        snap = self.engine.export_snapshot()
+        assert not self.unacked or self.unacked[-1].batch_id <= snap.meta["batch"]
+        if self.unacked:
+            self.flush()  # the snapshot reflects these batches: it is stored after them
+        self.snapshot = (snap, len(self.durable_records))
+
+    def crash_and_recover(self, *, downtime_ms: int = 0, via_snapshot: bool = False) -> None:
+        """Lose everything not acknowledged, then reopen the shard at the next epoch: from the
+        durable records, or (``via_snapshot``) from the last snapshot and the records after it."""
         self.unacked.clear()
         self.wall += downtime_ms
         self.mono += downtime_ms + 1
         self.epoch += 1
+        self.directory = MemoryDirectory(self.durable_records)
+        snap, tail = None, 0
+        if via_snapshot and self.snapshot is not None:
+            snap, tail = self.snapshot
         self.engine, effects = ShardEngine.recover(
-            list(self.durable_records),
+            list(self.durable_records[tail:]),
             epoch=self.epoch,
             wall_ms=self.wall,
             mono_ms=self.mono,
             config=self.config,
+            directory=self.directory,
+            snapshot=snap,
         )
         self.absorb(effects)
 
@@ -141,10 +167,14 @@ class Node:
     def runs(self) -> dict[tuple[int, int], Record]:
         """The last durable record of each run."""
         out: dict[tuple[int, int], Record] = {}
-        for r in self.durable_records:
+        for r in self.canonical_records():
             if r["t"] == "run":
                 out[(r["key"], r["at"])] = r
         return out
+
+    def canonical_records(self) -> list[Record]:
+        """The durable records with each ``fire`` record expanded into its run and pos records."""
+        return [c for r in self.durable_records for c in expand(r)]
 
     def skips(self) -> list[Record]:
         return [r for r in self.durable_records if r["t"] == "skip"]

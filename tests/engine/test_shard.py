@@ -23,6 +23,7 @@ from engine.effects import (
 )
 from engine.errors import IllegalTransition, StaleEpoch, TimeWentBackwards
 from engine.jobs import validate_job
+from engine.records import expand
 from engine.runs import TRANSITIONS, RunEvent, RunState, transition
 from engine.shard import EngineConfig, ShardEngine
 from tests.engine.harness import T0, Node
@@ -111,8 +112,8 @@ def test_fire_creates_the_run_and_advances_the_job_in_one_batch() -> None:
     node.flush()
     node.advance(10_000)
     batch = node.unacked[-1]
-    assert [r["t"] for r in batch.records] == ["run", "pos"]
-    run, pos = batch.records
+    assert [r["t"] for r in batch.records] == ["fire"]
+    run, pos = expand(batch.records[0])
     assert (run["state"], run["at"], run["att"]) == ("PENDING", T0 + 10_000, 1)
     assert pos["next"] == T0 + 20_000 and pos["acct"] == T0 + 19_999
 
@@ -170,7 +171,7 @@ def test_success_path_and_history() -> None:
     assert node.engine.run_state(ticket.run_id) is RunState.RUNNING
     node.do(ReportFinished("w1", ticket.run_id, ticket.token, "success", 0))
     assert node.engine.run_state(ticket.run_id) is None
-    states = [r["state"] for r in node.durable_records if r["t"] == "run"]
+    states = [r["state"] for r in node.canonical_records() if r["t"] == "run"]
     assert states == ["PENDING", "CLAIMED", "RUNNING", "SUCCESS"]
 
 

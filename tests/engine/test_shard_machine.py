@@ -28,6 +28,7 @@ from engine.effects import (
     WorkerHello,
 )
 from engine.jobs import validate_job
+from engine.records import expand
 from engine.runs import RunState
 from engine.schedules import format_utc
 from engine.shard import EngineConfig
@@ -185,8 +186,13 @@ class ShardMachine(RuleBasedStateMachine):
             self.node.flush(upto)
         self.observe()
 
-    @rule(flush_first=st.booleans())
-    def crash(self, flush_first: bool) -> None:
+    @rule()
+    def store_snapshot(self) -> None:
+        self.node.take_snapshot()
+        self.observe()
+
+    @rule(flush_first=st.booleans(), via_snapshot=st.booleans())
+    def crash(self, flush_first: bool, via_snapshot: bool) -> None:
         if flush_first:
             self.node.flush()
             live = self.node.engine.snapshot()
@@ -194,7 +200,7 @@ class ShardMachine(RuleBasedStateMachine):
         # (DESIGN.md, "Cluster") is what keeps a node with a wrong clock from owning shards,
         # so the node comes back with a correct one.
         self.node.wall = self.true_now()
-        self.node.crash_and_recover(downtime_ms=500)
+        self.node.crash_and_recover(downtime_ms=500, via_snapshot=via_snapshot)
         if flush_first:
             recovered = self.node.engine.snapshot()
             assert recovered["jobs"] == live["jobs"]
@@ -273,7 +279,7 @@ class ShardMachine(RuleBasedStateMachine):
         assert self.node.engine.run_state(rid) == before
         _job_id, at = rid.rsplit("@", 1)
         for batch in self.node.unacked[batches_before:]:
-            for r in batch.records:
+            for r in (c for b in batch.records for c in expand(b)):
                 assert not (r["t"] == "run" and r["at"] == int(at)), r
         self.observe()
 
@@ -288,7 +294,7 @@ class ShardMachine(RuleBasedStateMachine):
         acct: dict[int, int] = {}
         runs: set[tuple[int, int]] = set()
         skips: defaultdict[int, list[tuple[int, int]]] = defaultdict(list)
-        for r in self.node.durable_records:
+        for r in self.node.canonical_records():
             if r["t"] == "job":
                 # A create or an update: from here the key owes the new version's fire times
                 # from its next position on (what the old version owed was checked as it went:

@@ -1,0 +1,190 @@
+"""The engine's columnar layout: the directory it consults, snapshots, and fire records."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.directory import MemoryDirectory
+from engine.effects import (
+    CancelJob,
+    GetJob,
+    PauseJob,
+    ReportFinished,
+    UpdateJob,
+    WorkerHello,
+)
+from engine.errors import EngineUsageError, StaleEpoch
+from engine.jobs import validate_job
+from engine.records import ACCT_EXHAUSTED, expand
+from engine.schedules import format_utc
+from engine.shard import ShardEngine
+from tests.engine.harness import T0, Node
+
+
+def spec(job_id: str, at_s: int, **extra: object) -> dict[str, object]:
+    return {"id": job_id, "schedule": {"at": format_utc(T0 + at_s * 1000)}, **extra}
+
+
+def test_a_pending_run_keeps_its_version_when_the_job_is_updated_before_the_claim() -> None:
+    node = Node()
+    node.create(**spec("p", 1), task={"shell": "echo old"})
+    node.advance(1000)  # fired: PENDING, nobody to claim it
+    new = validate_job({**spec("p", 100), "task": {"shell": "echo new"}}, now_ms=node.wall)
+    node.do(UpdateJob(node.request(), new))
+    for via_snapshot in (False, True):
+        node.take_snapshot()
+        node.crash_and_recover(via_snapshot=via_snapshot)
+    node.do(WorkerHello("w", ("default",), 1))
+    node.advance(1)
+    tickets = node.tickets()
+    assert [(t.run_id, t.version, t.task) for t in tickets][:1] == [
+        (f"p@{T0 + 1000}", 1, {"shell": "echo old"})
+    ]
+
+
+def test_a_job_not_yet_durable_is_known_to_the_engine() -> None:
+    node = Node(auto_durable=False)
+    node.create(**spec("nd", 5), task={"command": ["true"]})
+    assert node.directory.key_of("nd") is None  # the store has not seen it
+    reply = node.do(GetJob(node.request(), "nd"))
+    assert reply is not None and reply.result is not None
+    assert reply.result["next_fire_ms"] == T0 + 5000
+    node.do(CancelJob(node.request(), "nd"))
+    node.flush()
+    assert node.directory.key_of("nd") == 0
+    assert node.engine._recent == {} and node.engine._recent_ids == {}
+
+
+def test_update_owes_the_new_schedule_from_now_not_from_the_old_next_fire() -> None:
+    node = Node()
+    node.create(id="h", schedule={"cron": "0 * * * *"})  # hourly, next at 01:00
+    node.advance(10 * 60_000)  # 00:10
+    every = validate_job(
+        {
+            "id": "h",
+            "schedule": {"every": "15m", "start": format_utc(T0)},
+            "task": {"command": ["true"]},
+        },
+        now_ms=node.wall,
+    )
+    reply = node.do(UpdateJob(node.request(), every))
+    assert reply is not None and reply.result is not None
+    assert reply.result["next_fire_ms"] == T0 + 15 * 60_000
+
+
+def test_moving_a_job_to_another_tier_moves_its_timer() -> None:
+    node = Node()
+    node.create(id="t", schedule={"every": "10s", "start": format_utc(T0 + 10_000)})
+    moved = validate_job(
+        {
+            "id": "t",
+            "schedule": {"every": "10s", "start": format_utc(T0 + 10_000)},
+            "task": {"command": ["true"]},
+            "tier": "gpu",
+        },
+        now_ms=node.wall,
+    )
+    node.do(UpdateJob(node.request(), moved))
+    assert node.engine.pending_jobs() == 1
+    node.do(WorkerHello("g", ("gpu",), 5))
+    node.advance(10_000)
+    assert [t.tier for t in node.tickets()] == ["gpu"]
+
+
+def test_fire_records_expand_to_a_run_and_a_position_each() -> None:
+    node = Node(auto_durable=False)
+    node.create(id="a", schedule={"every": "10s", "start": format_utc(T0 + 10_000)})
+    node.create(**spec("b", 10), task={"command": ["true"]})
+    node.flush()
+    node.advance(10_000)
+    (fire,) = node.unacked[-1].records
+    assert fire["t"] == "fire" and sorted(fire["keys"]) == [0, 1]
+    expanded = expand(fire)
+    runs = [r for r in expanded if r["t"] == "run"]
+    positions = {r["key"]: r for r in expanded if r["t"] == "pos"}
+    assert {(r["key"], r["at"], r["state"], r["att"]) for r in runs} == {
+        (0, T0 + 10_000, "PENDING", 1),
+        (1, T0 + 10_000, "PENDING", 1),
+    }
+    assert positions[0]["next"] == T0 + 20_000 and positions[0]["acct"] == T0 + 19_999
+    assert positions[1]["next"] is None and positions[1]["acct"] == ACCT_EXHAUSTED
+    assert all(r["e"] == node.epoch for r in expanded)
+
+
+def build_mixed_shard() -> Node:
+    node = Node()
+    node.do(WorkerHello("w", ("default",), 2))
+    node.create(id="every", schedule={"every": "10s", "start": format_utc(T0 + 10_000)})
+    node.create(id="cron", schedule={"cron": "*/5 * * * * *", "tz": "Europe/Berlin"})
+    node.create(**spec("later", 3600), task={"payload": {"x": 1}}, delivery="at_most_once")
+    node.create(**spec("paused", 30), task={"command": ["true"]})
+    node.do(PauseJob(node.request(), "paused"))
+    node.create(**spec("gone", 30), task={"command": ["true"]})
+    node.do(CancelJob(node.request(), "gone"))
+    node.create(
+        id="buf",
+        schedule={"every": "1s", "start": format_utc(T0 + 1000)},
+        task={"command": ["true"]},
+        overlap="buffer_one",
+        tier="slow",
+    )
+    node.create(id="down", schedule={"at": format_utc(T0 + 10**9)}, after=["every"])
+    node.deliver_registrations()
+    node.advance(12_000)
+    return node
+
+
+def test_a_snapshot_rebuilds_exactly_the_state_records_rebuild() -> None:
+    node = build_mixed_shard()
+    live = node.engine.snapshot()
+    assert live["runs"] and live["dependents"] == {"every": ["down"]}
+    node.take_snapshot()
+    # A few more changes after the snapshot: the tail.
+    ticket = node.tickets()[0]
+    node.do(ReportFinished("w", ticket.run_id, ticket.token, "success", 0))
+    node.advance(3000)
+    live = node.engine.snapshot()
+    records = list(node.durable_records)
+    node.crash_and_recover(via_snapshot=True)
+    from_snapshot = node.engine.snapshot()
+    from_records, _ = ShardEngine.recover(
+        records,
+        epoch=node.epoch,
+        wall_ms=node.wall,
+        mono_ms=node.mono,
+        config=node.config,
+        directory=MemoryDirectory(records),
+    )
+    for state in (from_snapshot, from_records.snapshot()):
+        assert state["jobs"] == live["jobs"]
+        assert state["runs"] == live["runs"]
+        assert state["outbox"] == live["outbox"]
+        assert state["dependents"] == live["dependents"]
+
+
+def test_a_snapshot_needs_the_stores_directory_and_a_newer_epoch() -> None:
+    node = build_mixed_shard()
+    snap = node.engine.export_snapshot()
+    with pytest.raises(EngineUsageError):
+        ShardEngine.recover([], snapshot=snap, epoch=9, wall_ms=node.wall, mono_ms=node.mono)
+    with pytest.raises(StaleEpoch):
+        ShardEngine.recover(
+            [],
+            snapshot=snap,
+            directory=MemoryDirectory(node.durable_records),
+            epoch=node.epoch,
+            wall_ms=node.wall,
+            mono_ms=node.mono,
+        )
+
+
+def test_pending_one_shot_jobs_cost_columns_not_objects() -> None:
+    node = Node()
+    engine = node.engine
+    for i in range(2000):
+        node.create(**spec(f"j{i}", 60 + i % 600), task={"payload": i})
+    assert engine.pending_jobs() == 2000
+    # Nothing per job but columns and wheel entries: no dict entry of any kind survives.
+    assert engine._recent == {} and engine._active == {} and engine._held_next == {}
+    assert len(engine._profiles) == 1  # one-shot jobs with equal policies share a profile
+    assert len(engine._ver) >= 2000 and engine._next_key == 2000
