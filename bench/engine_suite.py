@@ -75,7 +75,7 @@ def _snapshot(n: int) -> Snapshot:
         {"id": "job-000000000", "schedule": {"at": format_utc(T0 + 1)}, "task": {"payload": 0}},
         now_ms=T0,
     )
-    profile = {
+    profile: dict[str, Any] = {
         "schedule": None,
         "jitter_id": None,
         "policy": template.policy.to_dict(),

@@ -216,6 +216,9 @@ class _Run:
     job_id: str | None = None  # looked up when first needed
     #: the spec (stored form) of the version this run pins, once the job moved past it
     pinned: dict[str, Any] | None = None
+    #: recovered PENDING at-least-once: a claim of this attempt may have left before the
+    #: crash without its record becoming durable, so the next claim is a new attempt
+    maybe_sent: bool = False
 
     @property
     def ref(self) -> RunRef:
@@ -364,6 +367,7 @@ class ShardEngine:
         for run in self._runs.values():
             if run.state is RunState.PENDING:
                 self._count_pending(run, +1)
+                run.maybe_sent = run.policy.delivery == "at_least_once"
             if run.state._value_ in IN_FLIGHT_VALUES:
                 run.worker = None
                 run.grace = True
@@ -1422,6 +1426,11 @@ class ShardEngine:
 
     def _claim(self, worker: _Worker, run: _Run) -> None:
         self._move(run, RunEvent.CLAIM)
+        if run.maybe_sent:
+            # The attempt number must never name two dispatches of one run: the one before
+            # the crash may have reached a worker that still runs it.
+            run.attempt += 1
+            run.maybe_sent = False
         self._counter += 1
         run.token = fencing_token(self.epoch, self._counter)
         run.worker = worker.worker_id

@@ -776,3 +776,33 @@ def test_trigger_sources_are_forgotten_after_the_dedupe_window() -> None:
     node.advance(40_000)  # src@1 is now older than the window
     node.do(TriggerJob(node.request(), "t", "src@3"))
     assert set(node.engine._sources) == {"src@2", "src@3"}
+
+
+def test_a_lost_at_least_once_claim_goes_out_again_as_a_new_attempt() -> None:
+    node = Node(auto_durable=False)
+    once(node, "alo")
+    node.flush()
+    worker(node, credits=1)
+    node.advance(1000)
+    node.flush(upto=node.unacked[-1].batch_id)  # the PENDING run is durable: it goes out,
+    (first,) = node.tickets()  # its claim recorded in the next batch
+    assert first.attempt == 1 and node.unacked  # the claim record is not durable yet
+    node.crash_and_recover()
+    worker(node, "w2", credits=1)
+    node.flush()
+    second = node.tickets("w2")[-1]
+    assert (second.run_id, second.attempt) == (first.run_id, 2) and second.token > first.token
+
+
+def test_a_waiting_at_most_once_run_goes_out_once_after_a_crash_as_attempt_one() -> None:
+    node = Node(auto_durable=False)
+    once(node, "amo", delivery="at_most_once")
+    node.flush()
+    node.advance(1000)
+    node.flush()  # PENDING durable, no worker yet
+    node.crash_and_recover()
+    worker(node, credits=1)
+    node.flush()
+    node.flush()
+    (ticket,) = node.tickets()
+    assert ticket.attempt == 1
