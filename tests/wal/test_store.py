@@ -1,0 +1,300 @@
+"""The shard store against a real RocksDB in a temp dir: round trips, routing, queries, the
+epoch fence, the LOCK, the fixed shard count, counts, refused batches."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from engine.directory import JobDirectory
+from engine.errors import StaleEpoch as EngineStaleEpoch
+from tests.wal.records import T0, batch, created, job, note, pos, run, skip
+from wal.errors import (
+    EpochAhead,
+    InvalidBatch,
+    ShardCountMismatch,
+    ShardMismatch,
+    StaleEpoch,
+    StoreClosed,
+    StoreFailure,
+    StoreLocked,
+    StoreUsageError,
+)
+from wal.store import ShardStore, StoreCounts
+
+
+def open_store(path: Path, epoch: int = 1, *, shard: int = 0, shards: int = 4) -> ShardStore:
+    return ShardStore.open(path, shard=shard, shards=shards, epoch=epoch)
+
+
+def test_round_trip_across_reopen(tmp_path: Path) -> None:
+    with open_store(tmp_path) as store:
+        seqs = store.write([created(0), created(1)])
+        assert seqs == [1, 2]
+        assert store.write([batch(3, run(0, T0))]) == [3]
+    with open_store(tmp_path, epoch=2) as store:
+        recovered = store.load()
+        assert recovered.epoch == 2 and recovered.previous_epoch == 1
+        assert recovered.snapshot is None and recovered.snapshot_seq == -1
+        assert recovered.last_seq == 3
+        records = list(recovered.tail)
+        assert [r["t"] for r in records] == ["job", "pos", "job", "pos", "run"]
+        assert records[4]["at"] == T0
+        # the log keeps batch ids and epochs for recovery
+        assert [(s, b, e) for s, b, e, _ in store.log_batches()] == [
+            (1, 0, 1),
+            (2, 1, 1),
+            (3, 3, 1),
+        ]
+        # new positions continue after the old ones
+        assert store.write([created(2, epoch=2)]) == [4]
+
+
+def test_one_write_covers_every_batch_and_numbers_them_in_order(tmp_path: Path) -> None:
+    with open_store(tmp_path) as store:
+        seqs = store.write([created(k) for k in range(50)])
+        assert seqs == list(range(1, 51))
+        assert store.last_seq == 50
+        assert [s for s, *_ in store.log_batches(start=48)] == [48, 49, 50]
+
+
+def test_routing_and_queries(tmp_path: Path) -> None:
+    with open_store(tmp_path) as store:
+        store.write([created(7, T0 + 60_000)])
+        store.write(
+            [
+                batch(2, run(7, T0), skip(7, T0 - 5000, T0 - 1000, n=4), pos(7, T0 + 120_000)),
+                batch(3, run(7, T0, "CLAIMED", tok=5), note(7, T0)),
+                batch(4, run(7, T0 + 60_000), run(7, T0 + 120_000, "RUNNING")),
+            ]
+        )
+        assert store.key_of("job-7") == 7
+        assert store.key_of("nope") is None
+        latest = store.latest(7)
+        assert latest is not None and latest[0] == 1 and latest[1]["id"] == "job-7"
+        assert store.latest(8) is None
+        stored = store.job("job-7")
+        assert stored is not None and stored.key == 7 and stored.version == 1
+        assert stored.position is not None and stored.position["next"] == T0 + 120_000
+        # the run's newest record wins
+        first = store.run(7, T0)
+        assert first is not None and first["state"] == "CLAIMED" and first["tok"] == 5
+        assert store.run(7, T0 + 1) is None
+        # last N runs: newest first, one reverse scan, bounded by `before`
+        assert [r["at"] for r in store.last_runs(7, 2)] == [T0 + 120_000, T0 + 60_000]
+        assert [r["at"] for r in store.last_runs(7, 10, before=T0 + 60_000)] == [T0]
+        assert store.last_runs(8) == []
+        kinds = [(h["t"], h.get("lo", h.get("at"))) for h in store.history(7)]
+        assert kinds == [("note", T0), ("skip", T0 - 5000)]
+        assert store.run_count(7) == 3
+
+
+def test_queries_stay_inside_their_job(tmp_path: Path) -> None:
+    # Neighbouring keys (and negative times) must not leak into each other's scans.
+    with open_store(tmp_path) as store:
+        store.write([created(k) for k in (0, 1, 2)])
+        store.write([batch(10, run(0, -5), run(1, -(2**62)), run(1, 2**62), run(2, 0))])
+        assert [r["at"] for r in store.last_runs(1)] == [2**62, -(2**62)]
+        assert [r["at"] for r in store.last_runs(0)] == [-5]
+        assert [r["at"] for r in store.last_runs(2)] == [0]
+
+
+def test_job_listing_pages_in_key_order(tmp_path: Path) -> None:
+    with open_store(tmp_path) as store:
+        store.write([created(k) for k in range(25)])
+        seen: list[int] = []
+        after = None
+        while True:
+            page = store.jobs(after=after, limit=10)
+            if not page:
+                break
+            seen.extend(j.key for j in page)
+            after = page[-1].key
+        assert seen == list(range(25))
+        assert store.jobs(after=23)[0].id == "job-24"
+
+
+def test_a_newer_job_version_replaces_the_spec(tmp_path: Path) -> None:
+    with open_store(tmp_path) as store:
+        store.write([created(1)])
+        store.write([batch(2, job(1, ver=2, task={"cmd": "new"}))])
+        latest = store.latest(1)
+        assert latest is not None and latest[0] == 2 and latest[1]["task"] == {"cmd": "new"}
+
+
+def test_store_is_a_job_directory(tmp_path: Path) -> None:
+    with open_store(tmp_path) as store:
+        directory: JobDirectory = store  # type-checks against the engine's protocol
+        store.write([created(3)])
+        assert directory.key_of("job-3") == 3
+
+
+def test_counts_follow_every_write_and_survive_reopen(tmp_path: Path) -> None:
+    with open_store(tmp_path) as store:
+        assert store.counts == StoreCounts()
+        store.write([created(k) for k in range(4)])
+        assert store.counts == StoreCounts(jobs=4, pending_jobs=4)
+        store.write(
+            [
+                batch(10, pos(0, T0, paused=True), pos(1, None), pos(2, T0, gone=True)),
+                batch(11, run(3, T0), run(3, T0 + 1, "CLAIMED"), run(3, T0 + 2, "RUNNING")),
+            ]
+        )
+        assert store.counts == StoreCounts(
+            jobs=3, pending_jobs=1, paused_jobs=1, runs_pending=1, runs_in_flight=2
+        )
+        # a key written twice in one group counts once, by its last record
+        store.write(
+            [batch(12, run(3, T0, "CLAIMED")), batch(13, run(3, T0, "RUNNING"), pos(0, T0))]
+        )
+        assert store.counts == StoreCounts(
+            jobs=3, pending_jobs=2, paused_jobs=0, runs_pending=0, runs_in_flight=3
+        )
+        store.write([batch(14, run(3, T0, "SUCCESS"), run(3, T0 + 1, "FAILED"))])
+    with open_store(tmp_path, epoch=2) as store:
+        expected = StoreCounts(jobs=3, pending_jobs=2, runs_in_flight=1)
+        assert store.counts == expected
+        assert store.load().counts == expected
+
+
+def test_fire_records_index_their_runs_and_positions(tmp_path: Path) -> None:
+    fire = {
+        "t": "fire",
+        "v": 1,
+        "keys": [0, 1],
+        "ats": [T0, T0 + 5],
+        "vers": [1, 1],
+        "next": [None, T0 + 65],
+        "e": 1,
+    }
+    with open_store(tmp_path) as store:
+        store.write([created(0), created(1)])
+        try:
+            store.write([batch(3, fire)])
+        except InvalidBatch:
+            pytest.skip("this engine version has no 'fire' record yet")
+        r0 = store.run(0, T0)
+        assert r0 is not None and r0["state"] == "PENDING" and r0["att"] == 1
+        j1 = store.job("job-1")
+        assert j1 is not None and j1.position is not None and j1.position["next"] == T0 + 65
+        assert store.counts == StoreCounts(jobs=2, pending_jobs=1, runs_pending=2)
+        # the log keeps the compact record itself
+        assert list(store.load().tail)[-1]["t"] == "fire"
+
+
+# ------------------------------------------------------------------------- refusals
+
+
+def test_a_stale_batch_refuses_the_whole_write(tmp_path: Path) -> None:
+    with open_store(tmp_path) as store:
+        store.write([created(0)])
+    with open_store(tmp_path, epoch=2) as store:
+        with pytest.raises(StaleEpoch) as info:
+            store.write([created(1, epoch=2), created(2, epoch=1)])
+        assert "epoch 1" in str(info.value) and str(tmp_path) in str(info.value)
+        assert isinstance(info.value, EngineStaleEpoch) and isinstance(info.value, StoreFailure)
+        assert store.key_of("job-1") is None and store.last_seq == 1
+        with pytest.raises(EpochAhead):
+            store.write([created(1, epoch=3)])
+        assert store.write([created(1, epoch=2)]) == [2]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"t": "nope", "v": 1},
+        {"t": "run", "v": 99, "key": 0, "at": 0, "state": "PENDING"},
+        {"t": "run", "v": 1, "key": 0},  # no time
+        {"t": "job", "v": 1, "key": 0, "id": 5, "ver": 1, "spec": {}},
+        {"t": "out", "v": 1, "seq": 1, "job": object(), "src": None},  # not msgpack-able
+        "not a record",
+    ],
+)
+def test_an_invalid_record_refuses_the_write(tmp_path: Path, bad: object) -> None:
+    with open_store(tmp_path) as store:
+        with pytest.raises(InvalidBatch):
+            store.write([created(0), batch(2, job(1), bad)])  # type: ignore[arg-type]
+        assert store.last_seq == 0 and store.key_of("job-0") is None
+        assert store.write([created(0)]) == [1]
+
+
+def test_open_records_the_epoch_first_and_refuses_older_ones(tmp_path: Path) -> None:
+    open_store(tmp_path, epoch=5).close()
+    for epoch in (5, 4):
+        with pytest.raises(StaleEpoch, match="already at epoch 5"):
+            open_store(tmp_path, epoch=epoch)
+    # the refusal left the directory unlocked and the epoch where it was
+    with open_store(tmp_path, epoch=6) as store:
+        assert store.previous_epoch == 5
+
+
+def test_the_shard_count_is_fixed_at_creation(tmp_path: Path) -> None:
+    open_store(tmp_path, shards=8, shard=3).close()
+    with pytest.raises(ShardCountMismatch, match="created for 8 shards"):
+        open_store(tmp_path, epoch=2, shards=16, shard=3)
+    with pytest.raises(ShardMismatch, match="holds shard 3"):
+        open_store(tmp_path, epoch=2, shards=8, shard=4)
+    open_store(tmp_path, epoch=2, shards=8, shard=3).close()
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"shard": -1}, {"shards": 0}, {"shard": 4}, {"epoch": -1}, {"epoch": True}]
+)
+def test_bad_open_arguments(tmp_path: Path, kwargs: dict[str, int]) -> None:
+    args = {"shard": 0, "shards": 4, "epoch": 1, **kwargs}
+    with pytest.raises(StoreUsageError):
+        ShardStore.open(tmp_path, **args)
+
+
+def test_a_second_opener_in_this_process_is_refused(tmp_path: Path) -> None:
+    with open_store(tmp_path):
+        with pytest.raises(StoreLocked, match="LOCK"):
+            open_store(tmp_path, epoch=2)
+    open_store(tmp_path, epoch=2).close()  # released by close()
+
+
+def test_a_second_opener_in_another_process_is_refused(tmp_path: Path) -> None:
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(
+                f"""
+                import sys
+                from wal.store import ShardStore
+                store = ShardStore.open({str(tmp_path)!r}, shard=0, shards=4, epoch=1)
+                print("open", flush=True)
+                sys.stdin.read()
+                """
+            ),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "open\n"
+        with pytest.raises(StoreLocked) as info:
+            open_store(tmp_path, epoch=2)
+        assert str(tmp_path) in str(info.value)
+    finally:
+        holder.kill()
+        holder.wait()
+    # the kernel drops the lock with its holder
+    open_store(tmp_path, epoch=2).close()
+
+
+def test_a_closed_store_refuses_everything(tmp_path: Path) -> None:
+    store = open_store(tmp_path)
+    store.close()
+    store.close()  # idempotent
+    with pytest.raises(StoreClosed):
+        store.write([created(0)])
+    with pytest.raises(StoreClosed):
+        store.key_of("job-0")
+    with pytest.raises(StoreClosed):
+        store.load()

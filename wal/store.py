@@ -1,0 +1,1220 @@
+"""The durable store of one shard: RocksDB through rocksdict, one directory per shard.
+
+Owns the on-disk layout and its guarantees: every engine batch is appended to the batch log
+and routed to query column families in one atomic, fsynced write; the epoch fence (recorded on
+open, checked on every write); the fixed shard count; columnar snapshots and the log tail
+after them for recovery; run history retention by range deletes; exact counts of what the
+shard holds. Must never decide what a record *means* for the schedule (the engine does, on
+recovery, from the log) and never write a batch piecemeal.
+
+Layout (raw mode; ``i64`` = 8 big-endian bytes of a signed int offset by 2**63, so byte order
+is numeric order; ``u64``/``u32`` plain big-endian; values msgpack unless said otherwise):
+
+============ ========================================== ==============================================
+family       key                                        value
+============ ========================================== ==============================================
+``log``      u64 seq                                    [batch id, epoch, [records...]] (recovery)
+``jobs``     i64 key                                    [version, spec, id] of the newest ``job``
+``index``    job id (utf-8)                             i64 key
+``pos``      i64 key                                    class byte + the newest ``pos`` record
+``runs``     i64 key, i64 scheduled ms                  class byte + the newest ``run`` record
+``history``  i64 key, i64 time, u64 epoch, u64 batch,   a ``skip`` (time = lo) or ``note`` record
+             u32 index in batch
+``bytime``   i64 time, i64 key                          empty: what age retention visits
+``nruns``    i64 key                                    u64 number of runs stored for the job
+``logs``     i64 key, i64 scheduled ms, u32 chunk       run output (:mod:`wal.logs`)
+``snapshot`` u64 seq + ``a`` + name + NUL + u32 chunk   raw array bytes, at most 64 MiB each
+             u64 seq + ``m``                            {arrays: {name: dtype, shape, ...}, meta}
+``meta``     ``format``, ``shards``, ``shard``,         msgpack ints; ``counts``: [jobs, pending,
+             ``epoch``, ``counts``                      paused, runs pending, runs in flight]
+============ ========================================== ==============================================
+
+The class byte in ``pos`` and ``runs`` lets a write learn what a key held before (for the
+counts) from one multi-get per group, without decoding the old record.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+import msgpack
+import numpy as np
+from numpy.lib.format import descr_to_dtype, dtype_to_descr
+from rocksdict import (
+    AccessType,
+    BlockBasedOptions,
+    DBCompressionType,
+    DBRecoveryMode,
+    IngestExternalFileOptions,
+    Options,
+    Rdict,
+    ReadOptions,
+    SstFileWriter,
+    WriteBatch,
+    WriteOptions,
+)
+
+from engine.effects import Persist
+from engine.errors import EngineError
+from engine.records import Record, check
+from engine.runs import FINAL_VALUES, IN_FLIGHT_VALUES
+from engine.snapshot import Snapshot
+from wal import codec
+from wal.errors import (
+    Corrupt,
+    EpochAhead,
+    InvalidBatch,
+    InvalidSnapshot,
+    ShardCountMismatch,
+    ShardMismatch,
+    StaleEpoch,
+    StoreClosed,
+    StoreError,
+    StoreFailure,
+    StoreUsageError,
+    translate,
+)
+from wal.logs import LogLimits, RocksLogStore
+
+FORMAT: Final = 1
+COLUMN_FAMILIES: Final = (
+    "log",
+    "jobs",
+    "index",
+    "pos",
+    "runs",
+    "history",
+    "bytime",
+    "nruns",
+    "logs",
+    "snapshot",
+    "meta",
+)
+#: Largest raw value a snapshot array is cut into.
+SNAPSHOT_CHUNK_BYTES: Final = 64 * 1024 * 1024
+#: Log entries read per iterator while replaying the tail (an iterator pins the database, so
+#: none is kept open between pages).
+_TAIL_PAGE: Final = 4096
+
+# Column family numbers, used in prepared batches instead of names.
+_LOG, _JOBS, _INDEX, _POS, _RUNS, _HISTORY, _BYTIME, _NRUNS, _LOGS, _SNAPSHOT, _META = range(11)
+
+# Count classes of a job's position and a run's state (the first byte of their stored value).
+_POS_NONE, _POS_PENDING, _POS_PAUSED, _POS_IDLE = 0, 1, 2, 3
+_RUN_OTHER, _RUN_PENDING, _RUN_IN_FLIGHT = 0, 1, 2
+_POS_BYTES: Final = tuple(bytes((c,)) for c in range(4))
+_RUN_BYTES: Final = tuple(bytes((c,)) for c in range(3))
+
+_EMPTY: Final = b""
+
+
+@dataclass(frozen=True)
+class StoreCounts:
+    """What the shard holds, kept exactly by every write (in the same atomic batch).
+
+    * ``jobs``: jobs with a position that are not cancelled;
+    * ``pending_jobs``: of those, not paused and with a next fire time (what the wheel holds);
+    * ``paused_jobs``: of those, paused;
+    * ``runs_pending``: runs whose newest record is PENDING;
+    * ``runs_in_flight``: runs whose newest record is CLAIMED or RUNNING.
+    """
+
+    jobs: int = 0
+    pending_jobs: int = 0
+    paused_jobs: int = 0
+    runs_pending: int = 0
+    runs_in_flight: int = 0
+
+    def as_list(self) -> list[int]:
+        return [
+            self.jobs,
+            self.pending_jobs,
+            self.paused_jobs,
+            self.runs_pending,
+            self.runs_in_flight,
+        ]
+
+
+@dataclass
+class Recovered:
+    """What :meth:`ShardStore.load` found.
+
+    ``snapshot`` is the newest snapshot (None without one) and ``snapshot_seq`` the log
+    position it reflects (-1 without one); ``tail`` yields, in log order, every record of every
+    batch logged after it — lazily, one page of the log at a time, so it must be consumed
+    before the store is closed. ``epoch`` is the store's epoch (recorded by this open),
+    ``previous_epoch`` the one before (None for a new directory), ``last_seq`` the newest log
+    position. ``counts`` are exact (see :class:`StoreCounts`).
+    """
+
+    epoch: int
+    previous_epoch: int | None
+    snapshot: Snapshot | None
+    snapshot_seq: int
+    last_seq: int
+    counts: StoreCounts
+    tail: Iterator[Record]
+
+
+@dataclass(frozen=True)
+class StoredJob:
+    """A job as stored: its newest spec and version, and its newest position record (None
+    before one is durable)."""
+
+    key: int
+    id: str
+    version: int
+    spec: dict[str, Any]
+    position: dict[str, Any] | None
+
+
+@dataclass(frozen=True)
+class Retention:
+    """How much run history to keep. ``max_age_ms``: runs (and skips, notes and logs) scheduled
+    more than this before ``now`` go; ``max_runs_per_job``: only the newest N runs of a job stay.
+    None disables either. Runs not in a final state are never removed."""
+
+    max_age_ms: int | None = 30 * 86_400_000
+    max_runs_per_job: int | None = 1000
+
+
+@dataclass
+class RetentionReport:
+    """What one :meth:`ShardStore.retain` call removed. ``more``: the age pass stopped at its
+    entry limit with expired entries left; call again."""
+
+    runs_deleted: int = 0
+    jobs_trimmed: int = 0
+    kept_in_flight: int = 0
+    ranges: int = 0
+    more: bool = False
+
+
+@dataclass(slots=True)
+class PreparedBatch:
+    """A batch checked and encoded, ready for :meth:`ShardStore.write_prepared`. Built by
+    :meth:`ShardStore.prepare` in the caller's thread, so that a bad batch fails its own caller
+    and the writer only copies bytes."""
+
+    batch_id: int
+    epoch: int
+    log_value: bytes
+    puts: list[tuple[int, bytes, bytes]]  # (column family, key, value)
+    pos: list[tuple[bytes, int]]  # (pos key, class)
+    runs: list[tuple[bytes, int, int]]  # (run key, class, job key)
+    size: int
+
+
+class ShardStore:
+    """One shard's RocksDB directory. Use :meth:`open`; it implements
+    :class:`engine.directory.JobDirectory` (``key_of``, ``latest``).
+
+    Thread-safety: writes (:meth:`write`, :meth:`write_prepared`, :meth:`retain`,
+    :meth:`write_snapshot`) are serialised by one lock; reads may come from any thread and see
+    only durable data (RocksDB publishes a write after its fsync). The intended writer is the
+    group committer (:mod:`wal.commit`), one thread issuing one synced write per group.
+    """
+
+    def __init__(self) -> None:  # use ShardStore.open()
+        self.path = ""
+        self.shard = 0
+        self.shards = 0
+        self.epoch = 0
+        self.previous_epoch: int | None = None
+        self.logs: RocksLogStore
+        self._db: Rdict | None = None
+        self._cf: list[Rdict] = []
+        self._h: list[Any] = []
+        self._sync = WriteOptions()
+        self._sync.sync = True
+        self._nosync = WriteOptions()
+        self._nosync.sync = False
+        self._lock = threading.Lock()
+        self._snapshot_lock = threading.Lock()
+        self._last_seq = 0
+        self._snapshot_seq = -1
+        self._counts = [0, 0, 0, 0, 0]
+        self._failed: StoreFailure | None = None
+        self._touched: set[int] = set()  # jobs given a new run since the last retain()
+        self._packer = msgpack.Packer(use_bin_type=True)
+
+    # ================================================================= open and close
+
+    @classmethod
+    def open(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        shard: int,
+        shards: int,
+        epoch: int,
+        log_limits: LogLimits | None = None,
+    ) -> ShardStore:
+        """Open (creating if needed) the directory of shard ``shard`` of ``shards`` for
+        ``epoch``, and record the epoch durably before anything else can be written.
+
+        Raises :class:`StoreLocked` when another opener holds the directory,
+        :class:`ShardCountMismatch` / :class:`ShardMismatch` when it was created for another
+        shard count or shard, :class:`StaleEpoch` when it already holds an epoch >= ``epoch``,
+        and :class:`ReadOnly`, :class:`DiskFull`, :class:`Corrupt` for disk trouble; on any
+        error the directory is left unlocked. Cost: RocksDB's open (replays its log) plus two
+        seeks.
+        """
+        for name, value, low in (("shard", shard, 0), ("shards", shards, 1), ("epoch", epoch, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise StoreUsageError(f"{name} must be an int >= {low}, got {value!r}")
+        if shard >= shards:
+            raise StoreUsageError(f"shard {shard} is not below the shard count {shards}")
+        where = os.fspath(path)
+        self = cls()
+        self.path = where
+        try:
+            os.makedirs(where, exist_ok=True)
+        except OSError as exc:
+            raise translate(exc, path=where, doing="creating the shard directory") from exc
+        try:
+            self._db = Rdict(where, _db_options(), _cf_options(), AccessType.read_write())
+        except Exception as exc:
+            raise translate(exc, path=where, doing="opening the shard store") from exc
+        try:
+            self._cf = [self._db.get_column_family(n) for n in COLUMN_FAMILIES]
+            self._h = [self._db.get_column_family_handle(n) for n in COLUMN_FAMILIES]
+            self._check_meta_and_fence(shard, shards, epoch)
+            self._last_seq, self._snapshot_seq = self._find_positions()
+            raw = self._cf[_META].get(b"counts")
+            self._counts = [0, 0, 0, 0, 0] if raw is None else list(codec.unpack(raw))
+            self.logs = RocksLogStore(self._db, self._cf[_LOGS], where, log_limits or LogLimits())
+        except BaseException:
+            self._release()
+            raise
+        return self
+
+    def _check_meta_and_fence(self, shard: int, shards: int, epoch: int) -> None:
+        meta = self._cf[_META]
+        try:
+            stored = {k: meta.get(k) for k in (b"format", b"shards", b"shard", b"epoch")}
+        except Exception as exc:
+            raise translate(exc, path=self.path, doing="reading the store's meta") from exc
+        values = {k: None if v is None else codec.unpack(v) for k, v in stored.items()}
+        fmt = values[b"format"]
+        if fmt is not None and fmt > FORMAT:
+            raise Corrupt(
+                f"store format {fmt} is newer than this version reads ({FORMAT})", path=self.path
+            )
+        if values[b"shards"] is not None and values[b"shards"] != shards:
+            raise ShardCountMismatch(
+                f"the directory was created for {values[b'shards']} shards, "
+                f"opened with {shards}; the shard count is fixed when a data directory is created",
+                path=self.path,
+            )
+        if values[b"shard"] is not None and values[b"shard"] != shard:
+            raise ShardMismatch(
+                f"the directory holds shard {values[b'shard']}, opened as shard {shard}",
+                path=self.path,
+            )
+        previous = values[b"epoch"]
+        if previous is not None and epoch <= previous:
+            raise StaleEpoch(
+                f"the shard is already at epoch {previous}; opening for epoch {epoch} refused "
+                "(a newer owner opened it)",
+                path=self.path,
+            )
+        batch = WriteBatch(raw_mode=True)
+        h = self._h[_META]
+        batch.put(b"format", codec.pack(FORMAT), h)
+        batch.put(b"shards", codec.pack(shards), h)
+        batch.put(b"shard", codec.pack(shard), h)
+        batch.put(b"epoch", codec.pack(epoch), h)
+        self._commit(batch, f"recording epoch {epoch}")
+        self.shard, self.shards, self.epoch, self.previous_epoch = shard, shards, epoch, previous
+
+    def _find_positions(self) -> tuple[int, int]:
+        """(newest log seq, newest snapshot seq or -1): two seeks to the end."""
+        snap_seq = -1
+        last = self._last_key(self._cf[_SNAPSHOT])
+        if last is not None:
+            snap_seq = codec.read_u64(last)
+        last = self._last_key(self._cf[_LOG])
+        log_seq = codec.read_u64(last) if last is not None else 0
+        # After a snapshot, the log up to it is deleted: its seq still counts as handed out.
+        return max(log_seq, snap_seq, 0), snap_seq
+
+    def _last_key(self, cf: Rdict) -> bytes | None:
+        it = cf.iter()
+        try:
+            it.seek_to_last()
+            if it.valid():
+                key: bytes = it.key()
+                return key
+            it.status()
+            return None
+        except Exception as exc:
+            raise translate(exc, path=self.path, doing="seeking the end of a column") from exc
+        finally:
+            del it
+
+    def close(self) -> None:
+        """Close the database and release its LOCK. Idempotent. Every later call raises
+        :class:`StoreClosed`. Writes already returned are durable; nothing is lost by closing."""
+        with self._lock:
+            self._release()
+
+    def _release(self) -> None:
+        db = self._db
+        if db is None:
+            return
+        # rocksdict keeps the database open while any column family object, handle or
+        # iterator refers to it; drop them all first, so that close() frees the LOCK.
+        if hasattr(self, "logs"):
+            self.logs.close()
+        self._cf, self._h, self._db = [], [], None
+        try:
+            db.close()
+        except Exception:  # closing after a disk failure may report it again; it is known
+            pass
+
+    def __enter__(self) -> ShardStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._db is None
+
+    @property
+    def last_seq(self) -> int:
+        """The newest log position handed out (0 before the first write)."""
+        return self._last_seq
+
+    @property
+    def counts(self) -> StoreCounts:
+        """Exact counts as of the last durable write (see :class:`StoreCounts`)."""
+        return StoreCounts(*self._counts)
+
+    # ================================================================= writing batches
+
+    def prepare(self, batch: Persist) -> PreparedBatch:
+        """Check and encode ``batch``: its epoch against the store's, every record against the
+        record format; route each record to its column families. Pure CPU, no I/O; any thread.
+
+        Raises :class:`StaleEpoch` for an older epoch, :class:`EpochAhead` for a newer one,
+        :class:`InvalidBatch` for a record that is not one or cannot be encoded. O(records).
+        """
+        if not isinstance(batch, Persist):
+            raise InvalidBatch(f"expected a Persist batch, got {type(batch).__name__}")
+        if batch.epoch != self.epoch:
+            if isinstance(batch.epoch, int) and batch.epoch < self.epoch:
+                raise StaleEpoch(
+                    f"batch {batch.batch_id} is stamped with epoch {batch.epoch}; the store is at "
+                    f"epoch {self.epoch}: refused, nothing written",
+                    path=self.path,
+                )
+            raise EpochAhead(
+                f"batch {batch.batch_id} is stamped with epoch {batch.epoch!r}; the store was "
+                f"opened for epoch {self.epoch}",
+                path=self.path,
+            )
+        if not isinstance(batch.batch_id, int) or not 0 <= batch.batch_id < 1 << 64:
+            raise InvalidBatch(f"batch id must be an int in 0..2**64-1, got {batch.batch_id!r}")
+        try:
+            return self._route(batch)
+        except StoreError:
+            raise
+        except (EngineError, KeyError, TypeError, ValueError, OverflowError) as exc:
+            raise InvalidBatch(
+                f"batch {batch.batch_id} cannot be stored: {type(exc).__name__}: {exc}",
+                path=self.path,
+            ) from exc
+
+    def _route(self, batch: Persist) -> PreparedBatch:
+        pack = self._packer.pack
+        encoded: list[bytes] = []
+        puts: list[tuple[int, bytes, bytes]] = []
+        pos: list[tuple[bytes, int]] = []
+        runs: list[tuple[bytes, int, int]] = []
+        for index, record in enumerate(batch.records):
+            check(record)
+            data = pack(record)
+            encoded.append(data)
+            kind = record["t"]
+            if kind == "run":
+                _route_run(record, data, puts, runs)
+            elif kind == "pos":
+                _route_pos(record, data, puts, pos)
+            elif kind == "fire":
+                # Many fires in one compact record: the log keeps it as it is; the query
+                # families get the run and position records it stands for.
+                for canonical in _expand_fire(record):
+                    if canonical["t"] == "run":
+                        _route_run(canonical, pack(canonical), puts, runs)
+                    else:
+                        _route_pos(canonical, pack(canonical), puts, pos)
+            elif kind == "job":
+                key, job_id = record["key"], record["id"]
+                if not isinstance(job_id, str):
+                    raise InvalidBatch(f"job record of key {key} has a non-str id {job_id!r}")
+                jk = codec.i64(key)
+                puts.append((_JOBS, jk, pack([record["ver"], record["spec"], job_id])))
+                puts.append((_INDEX, job_id.encode(), jk))
+            elif kind == "skip" or kind == "note":
+                key = record["key"]
+                when = record["lo"] if kind == "skip" else record["at"]
+                hk = b"".join(
+                    (
+                        codec.i64(key),
+                        codec.i64(when),
+                        codec.u64(batch.epoch),
+                        codec.u64(batch.batch_id),
+                        codec.u32(index),
+                    )
+                )
+                puts.append((_HISTORY, hk, data))
+                puts.append((_BYTIME, codec.i64(when) + codec.i64(key), _EMPTY))
+            # Other kinds (out, outdone, dep, epoch) live in the log only: the engine folds
+            # them on recovery; no query reads them.
+        # The log value is msgpack [batch id, epoch, [records]], assembled from the records'
+        # bytes already encoded above instead of encoding every record twice.
+        log_value = b"".join(
+            (
+                b"\x93",  # a msgpack array of 3
+                pack(batch.batch_id),
+                pack(batch.epoch),
+                self._packer.pack_array_header(len(encoded)),
+                *encoded,
+            )
+        )
+        # The size bounds a group's memory (CommitPolicy.max_bytes): the routed copies are
+        # about as large as the log value again.
+        return PreparedBatch(
+            batch.batch_id, batch.epoch, log_value, puts, pos, runs, 2 * len(log_value)
+        )
+
+    def write(self, batches: Sequence[Persist]) -> list[int]:
+        """Store ``batches`` in ONE atomic RocksDB write with ONE fsync; return each batch's log
+        position, in order. Every batch is checked first: if any is refused
+        (:meth:`prepare`'s errors), nothing is written.
+
+        Guarantees: on return, every batch is durable; on an exception, none is acknowledged
+        (a :class:`StoreFailure` means the disk failed: the store refuses further writes until
+        reopened, and a reopen finds each batch of the failed write whole or absent).
+        Cost: O(records) encoding plus one multi-get per group for the counts, one write.
+        """
+        return self.write_prepared([self.prepare(b) for b in batches])
+
+    def write_prepared(self, prepared: Sequence[PreparedBatch]) -> list[int]:
+        """:meth:`write` for batches already :meth:`prepare`-d (the group committer's path)."""
+        if not prepared:
+            return []
+        with self._lock:
+            self._check_writable()
+            for p in prepared:
+                if p.epoch != self.epoch:  # prepared under an epoch this store is not at
+                    raise StaleEpoch(
+                        f"batch {p.batch_id} was prepared for epoch {p.epoch}; the store is at "
+                        f"{self.epoch}",
+                        path=self.path,
+                    )
+            wb = WriteBatch(raw_mode=True)
+            put = wb.put
+            h = self._h
+            seq = self._last_seq
+            seqs: list[int] = []
+            log_h = h[_LOG]
+            for p in prepared:
+                seq += 1
+                seqs.append(seq)
+                put(codec.u64(seq), p.log_value, log_h)
+                for cf, k, v in p.puts:
+                    put(k, v, h[cf])
+            counts = self._counts.copy()
+            touched = self._account(wb, prepared, counts)
+            if counts != self._counts:
+                put(b"counts", codec.pack(counts), h[_META])
+            self._commit(wb, f"writing batches {prepared[0].batch_id}..{prepared[-1].batch_id}")
+            self._last_seq = seq
+            self._counts = counts
+            self._touched.update(touched)
+            return seqs
+
+    def _account(
+        self, wb: WriteBatch, prepared: Sequence[PreparedBatch], counts: list[int]
+    ) -> set[int]:
+        """Update ``counts`` for what the group changes, adding per-job run counts and the
+        time index of new runs to ``wb``. Reads what the keys held before with one multi-get
+        per column family; keys written twice in the group see their earlier value."""
+        pos = [e for p in prepared for e in p.pos]
+        runs = [e for p in prepared for e in p.runs]
+        touched: set[int] = set()
+        if pos:
+            current = self._classes(self._cf[_POS], {k for k, _ in pos})
+            for k, cls in pos:
+                old = max(current[k], _POS_NONE)  # never held counts as nothing
+                if old != cls:
+                    if old != _POS_NONE:
+                        counts[0] -= 1
+                        if old == _POS_PENDING:
+                            counts[1] -= 1
+                        elif old == _POS_PAUSED:
+                            counts[2] -= 1
+                    if cls != _POS_NONE:
+                        counts[0] += 1
+                        if cls == _POS_PENDING:
+                            counts[1] += 1
+                        elif cls == _POS_PAUSED:
+                            counts[2] += 1
+                    current[k] = cls
+        if runs:
+            current = self._classes(self._cf[_RUNS], {k for k, _, _ in runs})
+            new_per_job: dict[int, int] = {}
+            for k, cls, job in runs:
+                old = current.get(k, -1)
+                if old == -1:  # a run this store has never held: index it
+                    new_per_job[job] = new_per_job.get(job, 0) + 1
+                    wb.put(k[8:16] + k[:8], _EMPTY, self._h[_BYTIME])
+                    old = _RUN_OTHER
+                if old != cls:
+                    if old == _RUN_PENDING:
+                        counts[3] -= 1
+                    elif old == _RUN_IN_FLIGHT:
+                        counts[4] -= 1
+                    if cls == _RUN_PENDING:
+                        counts[3] += 1
+                    elif cls == _RUN_IN_FLIGHT:
+                        counts[4] += 1
+                current[k] = cls
+            if new_per_job:
+                keys = [codec.i64(j) for j in new_per_job]
+                olds = self._multiget(self._cf[_NRUNS], keys)
+                for jk, added, old_n in zip(keys, new_per_job.values(), olds, strict=True):
+                    n = (0 if old_n is None else codec.read_u64(old_n)) + added
+                    wb.put(jk, codec.u64(n), self._h[_NRUNS])
+                touched.update(new_per_job)
+        return touched
+
+    def _classes(self, cf: Rdict, keys: set[bytes]) -> dict[bytes, int]:
+        """key -> the class byte of its stored value, -1 for a key never held. One multi-get."""
+        order = list(keys)
+        values = self._multiget(cf, order)
+        return {k: (-1 if v is None else v[0]) for k, v in zip(order, values, strict=True)}
+
+    def _multiget(self, cf: Rdict, keys: list[bytes]) -> list[bytes | None]:
+        wanted: list[str | int | float | bytes | bool] = list(keys)
+        try:
+            values: list[bytes | None] = cf.get(wanted)  # type: ignore[assignment]  # a multi-get
+        except Exception as exc:
+            raise translate(exc, path=self.path, doing="reading before a write") from exc
+        return values
+
+    def _check_writable(self) -> None:
+        if self._db is None:
+            raise StoreClosed("the shard store is closed", path=self.path)
+        if self._failed is not None:
+            raise type(self._failed)(
+                f"the store failed earlier and refuses writes until reopened: "
+                f"{self._failed.message}",
+                path=self.path,
+            )
+
+    def _commit(self, wb: WriteBatch, doing: str, *, sync: bool = True) -> None:
+        """One RocksDB write; with ``sync``, fsynced before it returns. A failure poisons the
+        store: RocksDB stops accepting writes after an I/O error, and so do we."""
+        assert self._db is not None
+        try:
+            self._db.write(wb, self._sync if sync else self._nosync)
+        except Exception as exc:
+            failure = translate(exc, path=self.path, doing=doing)
+            self._failed = failure
+            raise failure from exc
+
+    # ================================================================= JobDirectory and queries
+
+    def _db_open(self) -> Rdict:
+        if self._db is None:
+            raise StoreClosed("the shard store is closed", path=self.path)
+        return self._db
+
+    def _get(self, cf: int, key: bytes) -> bytes | None:
+        self._db_open()
+        try:
+            value: bytes | None = self._cf[cf].get(key)
+        except Exception as exc:
+            raise translate(exc, path=self.path, doing=f"reading {COLUMN_FAMILIES[cf]}") from exc
+        return value
+
+    def key_of(self, job_id: str) -> int | None:
+        """The dense key of ``job_id``, or None when no durable record names it. One get."""
+        raw = self._get(_INDEX, job_id.encode())
+        return None if raw is None else codec.read_i64(raw)
+
+    def latest(self, key: int) -> tuple[int, Mapping[str, Any]] | None:
+        """``(version, spec)`` of the newest durable ``job`` record of ``key``. One get."""
+        raw = self._get(_JOBS, codec.i64(key))
+        if raw is None:
+            return None
+        version, spec, _id = codec.unpack(raw)
+        return version, spec
+
+    def job(self, job_id: str) -> StoredJob | None:
+        """The job named ``job_id`` with its position, or None. Three gets."""
+        key = self.key_of(job_id)
+        return None if key is None else self.job_by_key(key)
+
+    def job_by_key(self, key: int) -> StoredJob | None:
+        """The job of ``key`` with its position, or None. Two gets."""
+        raw = self._get(_JOBS, codec.i64(key))
+        if raw is None:
+            return None
+        version, spec, job_id = codec.unpack(raw)
+        pos = self._get(_POS, codec.i64(key))
+        return StoredJob(key, job_id, version, spec, None if pos is None else codec.unpack(pos[1:]))
+
+    def jobs(self, *, after: int | None = None, limit: int = 100) -> list[StoredJob]:
+        """Jobs in key order (creation order), starting after key ``after``; at most ``limit``.
+        Page on with ``after=page[-1].key``. One forward scan plus one get per job."""
+        lo = codec.I64_MIN if after is None else after + 1
+        out: list[StoredJob] = []
+        for k, v in self._scan(_JOBS, codec.i64(lo), None, limit=limit):
+            version, spec, job_id = codec.unpack(v)
+            key = codec.read_i64(k)
+            pos = self._get(_POS, k)
+            out.append(
+                StoredJob(
+                    key, job_id, version, spec, None if pos is None else codec.unpack(pos[1:])
+                )
+            )
+        return out
+
+    def run(self, key: int, at: int) -> Record | None:
+        """The newest record of run ``(key, at)``, or None. One get."""
+        raw = self._get(_RUNS, codec.i64(key) + codec.i64(at))
+        return None if raw is None else dict(codec.unpack(raw[1:]))
+
+    def last_runs(self, key: int, n: int = 20, *, before: int | None = None) -> list[Record]:
+        """The newest ``n`` runs of job ``key`` scheduled before ``before`` (all when None),
+        newest first. One reverse range scan of n entries."""
+        hi = _bound(key, codec.I64_MAX + 1 if before is None else before)
+        lo = codec.i64(key) + codec.LOW8
+        return [codec.unpack(v[1:]) for _k, v in self._scan(_RUNS, lo, hi, limit=n, reverse=True)]
+
+    def history(self, key: int, n: int = 50, *, before: int | None = None) -> list[Record]:
+        """The newest ``n`` history entries (``skip`` records by their first time, ``note``
+        records by their run's time) of job ``key`` before ``before``, newest first. One
+        reverse range scan."""
+        hi = _bound(key, codec.I64_MAX + 1 if before is None else before)
+        lo = codec.i64(key) + codec.LOW8
+        return [codec.unpack(v) for _k, v in self._scan(_HISTORY, lo, hi, limit=n, reverse=True)]
+
+    def run_count(self, key: int) -> int:
+        """Runs stored for job ``key`` (what count retention trims). One get."""
+        raw = self._get(_NRUNS, codec.i64(key))
+        return 0 if raw is None else codec.read_u64(raw)
+
+    def _scan(
+        self,
+        cf: int,
+        lo: bytes,
+        hi: bytes | None,
+        *,
+        limit: int | None = None,
+        reverse: bool = False,
+    ) -> list[tuple[bytes, bytes]]:
+        """Up to ``limit`` (key, value) pairs with ``lo <= key < hi``, ascending or (with
+        ``reverse``) descending. Bounds are checked here: rocksdict's iterator honours only
+        the upper bound of its read options."""
+        self._db_open()
+        opts = ReadOptions()
+        if hi is not None:
+            opts.set_iterate_upper_bound(hi)
+        it = self._cf[cf].iter(opts)
+        out: list[tuple[bytes, bytes]] = []
+        try:
+            if reverse:
+                it.seek_to_last()  # the upper bound makes this the last key below hi
+                step = it.prev
+            else:
+                it.seek(lo)
+                step = it.next
+            while it.valid() and (limit is None or len(out) < limit):
+                k: bytes = it.key()
+                if k < lo:
+                    break
+                if hi is not None and k >= hi:
+                    break
+                out.append((k, it.value()))
+                step()
+            it.status()  # iterators stop silently on a checksum failure; this raises it
+        except Exception as exc:
+            raise translate(exc, path=self.path, doing=f"scanning {COLUMN_FAMILIES[cf]}") from exc
+        finally:
+            del it
+        return out
+
+    # ================================================================= recovery
+
+    def load(self) -> Recovered:
+        """What recovery needs: the newest snapshot (arrays read in a few large values into
+        fresh writable numpy arrays), the log tail after it (lazy, in order), the epoch and the
+        counts. Cost: the snapshot's bytes read once and copied once; the tail is read as it
+        is consumed, a page of batches at a time.
+
+        Raises :class:`Corrupt` when a snapshot's chunks do not add up to its arrays or a log
+        entry cannot be decoded (the tail raises it when it reaches the entry).
+        """
+        self._db_open()
+        snapshot = self._read_snapshot() if self._snapshot_seq >= 0 else None
+        return Recovered(
+            epoch=self.epoch,
+            previous_epoch=self.previous_epoch,
+            snapshot=snapshot,
+            snapshot_seq=self._snapshot_seq,
+            last_seq=self._last_seq,
+            counts=self.counts,
+            tail=self._tail(self._snapshot_seq + 1),
+        )
+
+    def log_batches(self, start: int = 1) -> Iterator[tuple[int, int, int, list[Record]]]:
+        """``(seq, batch id, epoch, records)`` of every logged batch from ``start`` on, in
+        order; a page of the log per iterator (none stays open between pages)."""
+        seq = max(start, 0)
+        while True:
+            page = self._scan(_LOG, codec.u64(seq), None, limit=_TAIL_PAGE)
+            for k, v in page:
+                s = codec.read_u64(k)
+                try:
+                    batch_id, epoch, records = codec.unpack(v)
+                except Exception as exc:
+                    raise Corrupt(
+                        f"log entry {s} cannot be decoded: {exc}", path=self.path
+                    ) from exc
+                yield s, batch_id, epoch, records
+            if len(page) < _TAIL_PAGE:
+                return
+            seq = codec.read_u64(page[-1][0]) + 1
+
+    def _tail(self, start: int) -> Iterator[Record]:
+        for _seq, _batch, _epoch, records in self.log_batches(start):
+            yield from records
+
+    # ================================================================= snapshots
+
+    def write_snapshot(
+        self, log_seq: int, arrays: Mapping[str, np.ndarray[Any, Any]], meta: Mapping[str, Any]
+    ) -> int:
+        """Store a snapshot reflecting every batch up to log position ``log_seq``, then delete
+        the log up to it and every older snapshot (range deletes). Returns the bytes written.
+
+        The arrays go to one SST file (each cut into raw values of at most 64 MiB, with dtype
+        and shape in the snapshot's meta value), ingested atomically: a crash leaves either the
+        whole snapshot or none. The log range and older snapshots are then deleted in one
+        synced write; until then, :meth:`load` ignores log entries the snapshot covers.
+
+        Raises :class:`InvalidSnapshot` for an object (or otherwise unserialisable) array, a
+        name that is not a non-empty str without NUL, ``meta`` msgpack cannot encode, or a
+        ``log_seq`` beyond the log or not newer than the stored snapshot. Cost: the arrays'
+        bytes written once (plus one copy per chunk).
+        """
+        with self._snapshot_lock:
+            self._check_writable()
+            if not isinstance(log_seq, int) or not 0 <= log_seq <= self._last_seq:
+                raise InvalidSnapshot(
+                    f"log position {log_seq!r} was never handed out (last is {self._last_seq})",
+                    path=self.path,
+                )
+            if log_seq <= self._snapshot_seq:
+                raise InvalidSnapshot(
+                    f"a snapshot at log position {self._snapshot_seq} is stored; {log_seq} is not "
+                    "newer",
+                    path=self.path,
+                )
+            entries, doc = _snapshot_entries(log_seq, arrays, meta, self.path)
+            tmp = os.path.join(self.path, f"snapshot-{log_seq}.sst.tmp")
+            written = 0
+            try:
+                writer = SstFileWriter(_snapshot_options())
+                writer.open(tmp)
+                for key, value in entries:
+                    writer[key] = value
+                    written += len(value)
+                writer[codec.u64(log_seq) + b"m"] = doc
+                written += len(doc)
+                writer.finish()
+                del writer
+                _fsync_path(tmp)
+                ingest = IngestExternalFileOptions()
+                ingest.set_move_files(True)
+                self._cf[_SNAPSHOT].ingest_external_file([tmp], ingest)
+                _fsync_dir(self.path)
+            except StoreError:
+                raise
+            except Exception as exc:
+                raise translate(exc, path=self.path, doing=f"writing snapshot {log_seq}") from exc
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+            with self._lock:
+                self._check_writable()
+                self._snapshot_seq = log_seq
+                wb = WriteBatch(raw_mode=True)
+                wb.delete_range(codec.u64(0), codec.u64(log_seq + 1), self._h[_LOG])
+                wb.delete_range(codec.u64(0), codec.u64(log_seq), self._h[_SNAPSHOT])
+                self._commit(wb, f"deleting the log up to snapshot {log_seq}")
+            return written
+
+    def _read_snapshot(self) -> Snapshot:
+        seq = self._snapshot_seq
+        cf = self._cf[_SNAPSHOT]
+        raw = self._get(_SNAPSHOT, codec.u64(seq) + b"m")
+        if raw is None:
+            raise Corrupt(f"snapshot {seq} has no meta value", path=self.path)
+        try:
+            doc = codec.unpack(raw)
+            described: dict[str, list[Any]] = doc["arrays"]
+            meta: dict[str, Any] = doc["meta"]
+        except Exception as exc:
+            raise Corrupt(f"snapshot {seq}: meta cannot be decoded: {exc}", path=self.path) from exc
+        arrays: dict[str, np.ndarray[Any, Any]] = {}
+        for name, (descr, shape, nbytes, chunks) in described.items():
+            try:
+                dtype = descr_to_dtype(descr)
+                out = np.empty(tuple(shape), dtype=dtype)
+            except Exception as exc:
+                raise Corrupt(f"snapshot {seq}, array {name!r}: {exc}", path=self.path) from exc
+            flat = out.reshape(-1).view(np.uint8) if out.size else np.empty(0, np.uint8)
+            if flat.size != nbytes:
+                raise Corrupt(
+                    f"snapshot {seq}, array {name!r}: shape {shape} is {flat.size} bytes, "
+                    f"stored {nbytes}",
+                    path=self.path,
+                )
+            prefix = codec.u64(seq) + b"a" + name.encode() + b"\0"
+            offset = 0
+            for i in range(chunks):
+                try:
+                    value = cf.get(prefix + codec.u32(i))
+                except Exception as exc:
+                    raise translate(exc, path=self.path, doing=f"reading snapshot {seq}") from exc
+                if value is None or offset + len(value) > nbytes:
+                    raise Corrupt(
+                        f"snapshot {seq}, array {name!r}: chunk {i} missing or too long",
+                        path=self.path,
+                    )
+                flat[offset : offset + len(value)] = np.frombuffer(value, np.uint8)
+                offset += len(value)
+                del value
+            if offset != nbytes:
+                raise Corrupt(
+                    f"snapshot {seq}, array {name!r}: {offset} of {nbytes} bytes stored",
+                    path=self.path,
+                )
+            arrays[name] = out
+        return Snapshot(arrays=arrays, meta=meta)
+
+    # ================================================================= retention
+
+    def retain(
+        self, now_ms: int, policy: Retention = Retention(), *, max_entries: int = 100_000
+    ) -> RetentionReport:
+        """Delete old run history by ranges: runs, their skips, notes and logs.
+
+        By age: visits the time index from its start up to ``now_ms - max_age_ms`` (at most
+        ``max_entries`` entries: O(expired), never the whole store), and per job found deletes
+        its runs, history and logs before the cutoff with a few range deletes. By count: for
+        jobs given new runs since the last call whose stored run count exceeds
+        ``max_runs_per_job``, deletes the oldest excess (O(deleted) reads). Runs not in a final
+        state are kept (ranges are split around them). One write, not synced (deletion is
+        idempotent: a crash only means it is done again). Serialised with writes.
+        """
+        report = RetentionReport()
+        with self._lock:
+            self._check_writable()
+            wb = WriteBatch(raw_mode=True)
+            nruns: dict[int, int] = {}
+            if policy.max_age_ms is not None:
+                self._retain_by_age(wb, now_ms - policy.max_age_ms, max_entries, report, nruns)
+            if policy.max_runs_per_job is not None:
+                self._retain_by_count(wb, policy.max_runs_per_job, report, nruns)
+            for job, n in nruns.items():
+                wb.put(codec.i64(job), codec.u64(n), self._h[_NRUNS])
+            if len(wb):
+                self._commit(wb, "deleting old run history", sync=False)
+        return report
+
+    def _retain_by_age(
+        self,
+        wb: WriteBatch,
+        cutoff: int,
+        max_entries: int,
+        report: RetentionReport,
+        nruns: dict[int, int],
+    ) -> None:
+        entries = self._scan(_BYTIME, codec.LOW8 * 2, codec.i64(cutoff), limit=max_entries + 1)
+        if not entries:
+            return
+        index_end = codec.i64(cutoff) + codec.LOW8
+        if len(entries) > max_entries:
+            # Stop here; the index is deleted up to the last entry visited, no further, so the
+            # jobs of the entries left are found by the next call.
+            report.more = True
+            entries = entries[:max_entries]
+            index_end = entries[-1][0] + b"\0"
+        jobs = sorted({codec.read_i64(k, 8) for k, _ in entries})
+        kept: list[tuple[int, int]] = []
+        for job in jobs:
+            n_before = nruns[job] if job in nruns else self.run_count(job)
+            deleted, keep = self._drop_runs(wb, job, before=cutoff, max_runs=None, report=report)
+            if deleted:
+                nruns[job] = n_before - deleted
+            kept.extend((at, job) for at in keep)
+        # The index up to the cutoff goes in one range; runs still in flight are indexed again
+        # (the put follows the range delete in the batch, so it survives it).
+        wb.delete_range(codec.LOW8 * 2, index_end, self._h[_BYTIME])
+        for at, job in kept:
+            wb.put(codec.i64(at) + codec.i64(job), _EMPTY, self._h[_BYTIME])
+        report.kept_in_flight += len(kept)
+
+    def _retain_by_count(
+        self, wb: WriteBatch, limit: int, report: RetentionReport, nruns: dict[int, int]
+    ) -> None:
+        touched, self._touched = self._touched, set()
+        if not touched:
+            return
+        order = sorted(touched)
+        stored = self._multiget(self._cf[_NRUNS], [codec.i64(j) for j in order])
+        for job, raw in zip(order, stored, strict=True):
+            n = nruns.get(job, 0 if raw is None else codec.read_u64(raw))
+            if n <= limit:
+                continue
+            deleted, keep = self._drop_runs(wb, job, before=None, max_runs=n - limit, report=report)
+            report.kept_in_flight += len(keep)
+            if deleted:
+                nruns[job] = n - deleted
+
+    def _drop_runs(
+        self,
+        wb: WriteBatch,
+        job: int,
+        *,
+        before: int | None,
+        max_runs: int | None,
+        report: RetentionReport,
+    ) -> tuple[int, list[int]]:
+        """Delete job ``job``'s oldest runs — those scheduled before ``before``, or the oldest
+        ``max_runs`` — with their history and logs, as ranges split around runs not in a final
+        state. Returns (runs deleted, times of the runs kept). O(runs visited)."""
+        hi = _bound(job, codec.I64_MAX + 1 if before is None else before)
+        runs = self._scan(_RUNS, codec.i64(job) + codec.LOW8, hi, limit=max_runs)
+        if max_runs is not None:
+            if not runs:
+                return 0, []
+            end = codec.read_i64(runs[-1][0], 8) + 1  # just past the newest run visited
+        else:
+            assert before is not None
+            end = before
+        keep: list[int] = []
+        start = codec.I64_MIN
+        segments: list[tuple[int, int]] = []
+        deleted = 0
+        for k, v in runs:
+            at = codec.read_i64(k, 8)
+            state = codec.unpack(v[1:]).get("state")
+            if state in FINAL_VALUES:
+                deleted += 1
+                continue
+            keep.append(at)
+            if start < at:
+                segments.append((start, at))
+            start = at + 1
+        if start < end:
+            segments.append((start, end))
+        for lo, hi_t in segments:
+            a, b = _bound(job, lo), _bound(job, hi_t)
+            wb.delete_range(a, b, self._h[_RUNS])
+            wb.delete_range(a, b, self._h[_HISTORY])
+            self.logs.drop_into(wb, job, lo, hi_t)
+            report.ranges += 1
+        report.runs_deleted += deleted
+        if deleted:
+            report.jobs_trimmed += 1
+        return deleted, keep
+
+
+# ===================================================================== helpers
+
+
+def _route_run(
+    record: Record,
+    data: bytes,
+    puts: list[tuple[int, bytes, bytes]],
+    runs: list[tuple[bytes, int, int]],
+) -> None:
+    key = record["key"]
+    rk = codec.i64(key) + codec.i64(record["at"])
+    state = record["state"]
+    if state == "PENDING":
+        cls = _RUN_PENDING
+    elif state in IN_FLIGHT_VALUES:
+        cls = _RUN_IN_FLIGHT
+    else:
+        cls = _RUN_OTHER
+    puts.append((_RUNS, rk, _RUN_BYTES[cls] + data))
+    runs.append((rk, cls, key))
+
+
+def _route_pos(
+    record: Record, data: bytes, puts: list[tuple[int, bytes, bytes]], pos: list[tuple[bytes, int]]
+) -> None:
+    pk = codec.i64(record["key"])
+    if record.get("gone"):
+        cls = _POS_NONE
+    elif record.get("paused"):
+        cls = _POS_PAUSED
+    elif record.get("next") is not None:
+        cls = _POS_PENDING
+    else:
+        cls = _POS_IDLE
+    puts.append((_POS, pk, _POS_BYTES[cls] + data))
+    pos.append((pk, cls))
+
+
+#: ``acct`` of a position with no fire time left (engine.records.ACCT_EXHAUSTED).
+_ACCT_EXHAUSTED: Final = 2**62
+
+
+def _expand_fire(record: Record) -> list[Record]:
+    """The ``run`` (PENDING, attempt 1) and ``pos`` records a ``fire`` record stands for, per
+    fire. Mirrors ``engine.records.expand`` (being written alongside this module); to be
+    replaced by it once it is committed. O(fires)."""
+    out: list[Record] = []
+    epoch = record.get("e")
+    for key, at, ver, nxt in zip(
+        record["keys"], record["ats"], record["vers"], record["next"], strict=True
+    ):
+        run: Record = {
+            "t": "run",
+            "v": record["v"],
+            "key": key,
+            "at": at,
+            "state": "PENDING",
+            "att": 1,
+            "tok": 0,
+            "w": None,
+            "ver": ver,
+            "due": None,
+            "fail": 0,
+            "tmo": 0,
+            "src": None,
+            "exit": None,
+            "why": None,
+        }
+        pos: Record = {
+            "t": "pos",
+            "v": record["v"],
+            "key": key,
+            "next": nxt,
+            "acct": _ACCT_EXHAUSTED if nxt is None else nxt - 1,
+            "paused": False,
+            "gone": False,
+            "why": "catchup",
+        }
+        if epoch is not None:
+            run["e"] = pos["e"] = epoch
+        out += (run, pos)
+    return out
+
+
+def _bound(key: int, at: int) -> bytes:
+    """The smallest key of job ``key`` at time ``at`` in the runs/history/logs families;
+    ``at = 2**63`` gives the first key past the job."""
+    if at > codec.I64_MAX:
+        return codec.i64(key + 1) + codec.LOW8
+    return codec.i64(key) + codec.i64(at)
+
+
+def _db_options() -> Options:
+    opts = Options(raw_mode=True)
+    opts.create_if_missing(True)
+    opts.create_missing_column_families(True)
+    # A torn record at the end of RocksDB's log (a crash mid-write of a batch nobody was told
+    # about) is dropped; corruption anywhere else refuses to open instead of silently cutting
+    # the log short and losing acknowledged batches after it (the default, point-in-time).
+    opts.set_wal_recovery_mode(DBRecoveryMode.tolerate_corrupted_tail_records())
+    opts.set_paranoid_checks(True)
+    opts.set_keep_log_file_num(4)
+    return opts
+
+
+def _snapshot_options() -> Options:
+    # Snapshot values are large raw columns: no compression (recovery reads them at memory
+    # speed) and no block cache (a 64 MiB value would only evict everything else).
+    opts = Options(raw_mode=True)
+    opts.set_compression_type(DBCompressionType.none())
+    table = BlockBasedOptions()
+    table.disable_cache()
+    opts.set_block_based_table_factory(table)
+    return opts
+
+
+def _cf_options() -> dict[str, Options]:
+    out = {name: Options(raw_mode=True) for name in COLUMN_FAMILIES}
+    # Families read by point lookups (the directory, and every write's look at what a key
+    # held before) get bloom filters: a new run's lookup is a miss, and a miss should not
+    # search every file.
+    for name in ("jobs", "index", "pos", "runs", "nruns"):
+        table = BlockBasedOptions()
+        table.set_bloom_filter(10, False)
+        out[name].set_block_based_table_factory(table)
+    out["snapshot"] = _snapshot_options()
+    return out
+
+
+def _snapshot_entries(
+    seq: int, arrays: Mapping[str, np.ndarray[Any, Any]], meta: Mapping[str, Any], path: str
+) -> tuple[list[tuple[bytes, bytes]], bytes]:
+    """The sorted chunk entries of a snapshot and its meta value; checks every input."""
+    described: dict[str, list[Any]] = {}
+    entries: list[tuple[bytes, bytes]] = []
+    for name in sorted(arrays, key=lambda n: n.encode() if isinstance(n, str) else b""):
+        array = arrays[name]
+        if not isinstance(name, str) or not name or "\0" in name:
+            raise InvalidSnapshot(f"array name {name!r} must be a non-empty str without NUL")
+        if not isinstance(array, np.ndarray):
+            raise InvalidSnapshot(f"array {name!r} is a {type(array).__name__}, not an ndarray")
+        if array.dtype.hasobject:
+            raise InvalidSnapshot(f"array {name!r} holds Python objects ({array.dtype})")
+        array = np.ascontiguousarray(array)
+        flat = array.reshape(-1).view(np.uint8) if array.size else np.empty(0, np.uint8)
+        prefix = codec.u64(seq) + b"a" + name.encode() + b"\0"
+        chunks = 0
+        for start in range(0, flat.size, SNAPSHOT_CHUNK_BYTES):
+            entries.append(
+                (prefix + codec.u32(chunks), flat[start : start + SNAPSHOT_CHUNK_BYTES].tobytes())
+            )
+            chunks += 1
+        described[name] = [dtype_to_descr(array.dtype), list(array.shape), flat.size, chunks]
+    try:
+        doc = codec.pack({"seq": seq, "arrays": described, "meta": dict(meta)})
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise InvalidSnapshot(f"snapshot meta cannot be encoded: {exc}", path=path) from exc
+    return entries, doc
+
+
+def _fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
