@@ -1,0 +1,92 @@
+"""The wire codec against a reference: frames fed in any slicing give back the messages, and a
+bad frame costs exactly one error, never the stream."""
+
+from __future__ import annotations
+
+import struct
+
+import msgpack
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cluster.codec import FrameDecoder, ProtocolError, encode
+
+scalars = st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.text(max_size=20)
+values = st.recursive(
+    scalars | st.binary(max_size=20),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=20,
+)
+messages = st.dictionaries(st.text(max_size=8), values, max_size=5).map(lambda m: {**m, "id": 7})
+
+
+def drain(decoder: FrameDecoder) -> list[object]:
+    out: list[object] = []
+    while (event := decoder.next_event()) is not None:
+        out.append(event)
+    return out
+
+
+@given(st.lists(messages, max_size=8), st.lists(st.integers(1, 64), min_size=1, max_size=20))
+def test_any_slicing_gives_back_the_messages_in_order(
+    sent: list[dict[str, object]], cuts: list[int]
+) -> None:
+    stream = b"".join(encode(m) for m in sent)
+    decoder = FrameDecoder()
+    got: list[object] = []
+    i = 0
+    k = 0
+    while i < len(stream):
+        step = cuts[k % len(cuts)]
+        decoder.feed(stream[i : i + step])
+        got += drain(decoder)
+        i += step
+        k += 1
+    assert got == sent
+    assert decoder.pending_bytes == 0
+
+
+def frame(body: bytes) -> bytes:
+    return struct.pack(">I", len(body)) + body
+
+
+def test_a_bad_frame_is_one_error_and_the_next_frame_still_decodes() -> None:
+    decoder = FrameDecoder()
+    decoder.feed(frame(b"\xc1") + frame(msgpack.packb([1, 2])) + encode({"id": 1, "op": "x"}))
+    errors = drain(decoder)
+    assert [type(e) for e in errors[:2]] == [ProtocolError, ProtocolError]
+    assert all(isinstance(e, ProtocolError) and e.code == "malformed" for e in errors[:2])
+    assert errors[2] == {"id": 1, "op": "x"}
+
+
+def test_an_oversized_frame_is_skipped_without_being_buffered() -> None:
+    decoder = FrameDecoder(max_frame=100)
+    big = frame(b"\x00" * 10_000)
+    decoder.feed(big[:50])
+    (error,) = drain(decoder)
+    assert isinstance(error, ProtocolError) and error.code == "frame_too_large"
+    for i in range(50, len(big), 1000):
+        decoder.feed(big[i : i + 1000])
+        assert decoder.pending_bytes < 1000
+    decoder.feed(encode({"id": 2}))
+    assert drain(decoder) == [{"id": 2}]
+
+
+def test_a_non_integer_request_id_is_malformed() -> None:
+    decoder = FrameDecoder()
+    decoder.feed(encode({"id": "seven"}) + encode({"id": True}))
+    assert [e.code for e in drain(decoder) if isinstance(e, ProtocolError)] == [
+        "malformed",
+        "malformed",
+    ]
+
+
+def test_encoding_an_unencodable_value_is_a_typed_error() -> None:
+    try:
+        encode({"id": 1, "x": object()})
+    except ProtocolError as error:
+        assert error.code == "unencodable"
+    else:
+        raise AssertionError("no error")
