@@ -60,7 +60,7 @@ from rocksdict import (
 
 from engine.effects import Persist
 from engine.errors import EngineError
-from engine.records import Record, check
+from engine.records import Record, check, expand
 from engine.runs import FINAL_VALUES, IN_FLIGHT_VALUES
 from engine.snapshot import Snapshot
 from wal import codec
@@ -450,7 +450,7 @@ class ShardStore:
             elif kind == "fire":
                 # Many fires in one compact record: the log keeps it as it is; the query
                 # families get the run and position records it stands for.
-                for canonical in _expand_fire(record):
+                for canonical in expand(record):
                     if canonical["t"] == "run":
                         _route_run(canonical, pack(canonical), puts, runs)
                     else:
@@ -1082,52 +1082,6 @@ def _route_pos(
     pos.append((pk, cls))
 
 
-#: ``acct`` of a position with no fire time left (engine.records.ACCT_EXHAUSTED).
-_ACCT_EXHAUSTED: Final = 2**62
-
-
-def _expand_fire(record: Record) -> list[Record]:
-    """The ``run`` (PENDING, attempt 1) and ``pos`` records a ``fire`` record stands for, per
-    fire. Mirrors ``engine.records.expand`` (being written alongside this module); to be
-    replaced by it once it is committed. O(fires)."""
-    out: list[Record] = []
-    epoch = record.get("e")
-    for key, at, ver, nxt in zip(
-        record["keys"], record["ats"], record["vers"], record["next"], strict=True
-    ):
-        run: Record = {
-            "t": "run",
-            "v": record["v"],
-            "key": key,
-            "at": at,
-            "state": "PENDING",
-            "att": 1,
-            "tok": 0,
-            "w": None,
-            "ver": ver,
-            "due": None,
-            "fail": 0,
-            "tmo": 0,
-            "src": None,
-            "exit": None,
-            "why": None,
-        }
-        pos: Record = {
-            "t": "pos",
-            "v": record["v"],
-            "key": key,
-            "next": nxt,
-            "acct": _ACCT_EXHAUSTED if nxt is None else nxt - 1,
-            "paused": False,
-            "gone": False,
-            "why": "catchup",
-        }
-        if epoch is not None:
-            run["e"] = pos["e"] = epoch
-        out += (run, pos)
-    return out
-
-
 def _bound(key: int, at: int) -> bytes:
     """The smallest key of job ``key`` at time ``at`` in the runs/history/logs families;
     ``at = 2**63`` gives the first key past the job."""
@@ -1187,7 +1141,8 @@ def _snapshot_entries(
             raise InvalidSnapshot(f"array {name!r} is a {type(array).__name__}, not an ndarray")
         if array.dtype.hasobject:
             raise InvalidSnapshot(f"array {name!r} holds Python objects ({array.dtype})")
-        array = np.ascontiguousarray(array)
+        if not array.flags.c_contiguous:  # (not ascontiguousarray: it makes 0-d arrays 1-d)
+            array = array.copy(order="C")
         flat = array.reshape(-1).view(np.uint8) if array.size else np.empty(0, np.uint8)
         prefix = codec.u64(seq) + b"a" + name.encode() + b"\0"
         chunks = 0

@@ -1,0 +1,176 @@
+"""Group commit: the pure queue's policy, and the writer thread's acknowledgements."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from engine.effects import Persist
+from tests.wal.records import T0, batch, created, run
+from wal.commit import CommitPolicy, CommitQueue, GroupCommitter, Ticket
+from wal.errors import StaleEpoch, StoreClosed, StoreError, StoreFailure
+from wal.store import PreparedBatch, ShardStore
+
+# ------------------------------------------------------------------------- the pure policy
+
+
+def test_queue_takes_everything_waiting_in_order() -> None:
+    q: CommitQueue[str] = CommitQueue()
+    for item in "abc":
+        q.push(item, 10)
+    assert q.take() == ["a", "b", "c"]
+    assert q.take() == [] and len(q) == 0 and q.queued_bytes == 0
+
+
+def test_queue_cuts_groups_by_count_and_bytes() -> None:
+    q: CommitQueue[int] = CommitQueue(CommitPolicy(max_batches=3, max_bytes=100))
+    for i in range(5):
+        q.push(i, 10)
+    assert q.take() == [0, 1, 2]
+    assert q.take() == [3, 4]
+    q.push(5, 60)
+    q.push(6, 60)
+    q.push(7, 500)  # larger than a group may be: still goes, alone
+    assert q.take() == [5]
+    assert q.take() == [6]
+    assert q.take() == [7]
+    with pytest.raises(ValueError):
+        CommitPolicy(max_batches=0)
+
+
+# ------------------------------------------------------------------------- the writer
+
+
+class CountingStore(ShardStore):
+    """A real store that remembers how many batches each write covered."""
+
+    writes: list[int]
+
+    def write_prepared(self, prepared: list[PreparedBatch]) -> list[int]:  # type: ignore[override]
+        self.writes.append(len(prepared))
+        return super().write_prepared(prepared)
+
+
+def open_counting(path: Path, epoch: int = 1) -> CountingStore:
+    store = CountingStore.open(path, shard=0, shards=1, epoch=epoch)
+    assert isinstance(store, CountingStore)
+    store.writes = []
+    return store
+
+
+def test_every_batch_is_acknowledged_with_its_position(tmp_path: Path) -> None:
+    store = open_counting(tmp_path)
+    with GroupCommitter(store) as committer:
+        tickets = [committer.submit(created(k)) for k in range(20)]
+        seqs = [t.wait(10) for t in tickets]
+    assert seqs == sorted(seqs) and len(set(seqs)) == 20
+    assert committer.batches == 20 and sum(store.writes) == 20
+    for k in range(20):
+        assert store.key_of(f"job-{k}") == k
+    store.close()
+
+
+def test_concurrent_producers_share_fsyncs(tmp_path: Path) -> None:
+    store = open_counting(tmp_path)
+    producers, each = 32, 20
+    acked: list[int] = []
+    lock = threading.Lock()
+
+    def produce(p: int) -> None:
+        for i in range(each):
+            key = p * each + i
+            seq = committer.submit(batch(key, run(key, T0))).wait(30)
+            with lock:
+                acked.append(seq)
+
+    with GroupCommitter(store) as committer:
+        threads = [threading.Thread(target=produce, args=(p,)) for p in range(producers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert sorted(acked) == list(range(1, producers * each + 1))
+    # one fsync per group, and groups formed: far fewer writes than batches
+    assert sum(store.writes) == producers * each
+    assert len(store.writes) < producers * each / 2, store.writes
+    assert max(store.writes) > 1
+    store.close()
+
+
+def test_acknowledgement_comes_after_the_data_is_readable(tmp_path: Path) -> None:
+    # The callback runs after the write returned (after its fsync): what it acknowledges is
+    # already visible to readers.
+    store = open_counting(tmp_path)
+    seen: list[int | None] = []
+
+    def check(ticket: Ticket) -> None:
+        seen.append(store.key_of(f"job-{ticket.batch_id}"))
+
+    with GroupCommitter(store) as committer:
+        for k in range(10):
+            committer.submit(created(k), callback=check)
+    assert seen == list(range(10))
+    store.close()
+
+
+def test_a_stale_batch_fails_alone_at_submit(tmp_path: Path) -> None:
+    ShardStore.open(tmp_path, shard=0, shards=1, epoch=1).close()
+    store = open_counting(tmp_path, epoch=2)
+    with GroupCommitter(store) as committer:
+        good = committer.submit(created(0, epoch=2))
+        with pytest.raises(StaleEpoch):
+            committer.submit(created(1, epoch=1))
+        assert good.wait(10) == 1
+    store.close()
+
+
+def test_a_failed_write_fails_every_ticket_of_its_group(tmp_path: Path) -> None:
+    class FailingStore(CountingStore):
+        def write_prepared(self, prepared: list[PreparedBatch]) -> list[int]:  # type: ignore[override]
+            raise StoreFailure("the disk is on fire", path=self.path)
+
+    store = FailingStore.open(tmp_path, shard=0, shards=1, epoch=1)
+    errors: list[StoreError | None] = []
+    with GroupCommitter(store) as committer:
+        tickets = [
+            committer.submit(created(k), callback=lambda t: errors.append(t.error))
+            for k in range(5)
+        ]
+        for ticket in tickets:
+            with pytest.raises(StoreFailure, match="on fire"):
+                ticket.wait(10)
+    assert len(errors) == 5 and all(isinstance(e, StoreFailure) for e in errors)
+    store.close()
+
+
+def test_close_writes_what_was_queued_then_refuses(tmp_path: Path) -> None:
+    store = open_counting(tmp_path)
+    committer = GroupCommitter(store)
+    tickets = [committer.submit(created(k)) for k in range(50)]
+    committer.close()
+    assert all(t.done() and t.error is None for t in tickets)
+    with pytest.raises(StoreClosed):
+        committer.submit(created(99))
+    committer.close()  # idempotent
+    store.close()
+
+
+def test_a_broken_callback_does_not_stop_the_writer(tmp_path: Path) -> None:
+    store = open_counting(tmp_path)
+
+    def boom(ticket: Ticket) -> None:
+        raise RuntimeError("callback bug")
+
+    with GroupCommitter(store) as committer:
+        committer.submit(created(0), callback=boom)
+        assert committer.submit(created(1)).wait(10) == 2
+    store.close()
+
+
+def test_wait_times_out(tmp_path: Path) -> None:
+    ticket = Ticket(1, None)
+    with pytest.raises(TimeoutError):
+        ticket.wait(0.01)
+    assert isinstance(created(0), Persist)

@@ -1,0 +1,109 @@
+"""Retention of run history: by age and by count per job, by range deletes, never removing a
+run still in flight, taking the run's history and logs along."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.wal.records import T0, batch, created, note, run, skip
+from wal.store import Retention, ShardStore
+
+DAY = 86_400_000
+AGE = Retention(max_age_ms=10 * DAY, max_runs_per_job=None)
+
+
+def open_store(path: Path, epoch: int = 1) -> ShardStore:
+    return ShardStore.open(path, shard=0, shards=1, epoch=epoch)
+
+
+def ats(store: ShardStore, key: int) -> list[int]:
+    return sorted(r["at"] for r in store.last_runs(key, 10_000))
+
+
+def test_by_age_removes_old_runs_with_their_history_and_logs(tmp_path: Path) -> None:
+    with open_store(tmp_path) as store:
+        store.write([created(1), created(2)])
+        days = list(range(20))
+        store.write(
+            [batch(10 + d, run(1, T0 + d * DAY, "SUCCESS"), note(1, T0 + d * DAY)) for d in days]
+        )
+        store.write([batch(40, run(2, T0 + 3 * DAY, "FAILED"), skip(2, T0 + 2 * DAY))])
+        for d in (0, 9, 10, 19):
+            store.logs.append(1, T0 + d * DAY, "stdout", b"out")
+        now = T0 + 20 * DAY  # cutoff: T0 + 10 days
+        report = store.retain(now, AGE)
+        assert report.runs_deleted == 11 and report.jobs_trimmed == 2 and not report.more
+        assert ats(store, 1) == [T0 + d * DAY for d in range(10, 20)]
+        assert ats(store, 2) == []
+        assert {h["at"] for h in store.history(1, 100)} == {T0 + d * DAY for d in range(10, 20)}
+        assert store.history(2) == []
+        assert store.logs.read(1, T0).chunks == [] and store.logs.read(1, T0 + 9 * DAY).chunks == []
+        assert store.logs.read(1, T0 + 10 * DAY).chunks != []
+        assert store.run_count(1) == 10 and store.run_count(2) == 0
+        # nothing left to do at the same time
+        assert store.retain(now, AGE).runs_deleted == 0
+
+
+def test_runs_in_flight_are_kept_and_found_again_later(tmp_path: Path) -> None:
+    with open_store(tmp_path) as store:
+        store.write([created(1)])
+        states = ["SUCCESS", "RUNNING", "SUCCESS", "PENDING", "CANCELLED"]
+        store.write([batch(10 + d, run(1, T0 + d * DAY, s)) for d, s in enumerate(states)])
+        store.logs.append(1, T0 + DAY, "stdout", b"still running")
+        report = store.retain(T0 + 30 * DAY, AGE)
+        assert report.runs_deleted == 3 and report.kept_in_flight == 2
+        assert ats(store, 1) == [T0 + DAY, T0 + 3 * DAY]
+        assert store.logs.read(1, T0 + DAY).chunks[0].data == b"still running"
+        # once they finish, a later pass removes them: the time index still knows them
+        store.write([batch(20, run(1, T0 + DAY, "SUCCESS"), run(1, T0 + 3 * DAY, "LOST"))])
+        assert store.retain(T0 + 31 * DAY, AGE).runs_deleted == 2
+        assert ats(store, 1) == []
+
+
+def test_by_count_keeps_the_newest_runs_per_job(tmp_path: Path) -> None:
+    with open_store(tmp_path) as store:
+        store.write([created(1), created(2)])
+        store.write([batch(10 + i, run(1, T0 + i, "SUCCESS")) for i in range(30)])
+        store.write([batch(50 + i, run(2, T0 + i, "SUCCESS")) for i in range(3)])
+        store.write([batch(60, run(1, T0 + 1, "SUCCESS"), note(1, T0 + 2))])  # no new run
+        report = store.retain(T0, Retention(max_age_ms=None, max_runs_per_job=5))
+        assert report.runs_deleted == 25
+        assert ats(store, 1) == [T0 + i for i in range(25, 30)]
+        assert ats(store, 2) == [T0, T0 + 1, T0 + 2]
+        assert store.history(1) == []  # the note of a deleted run went with it
+        assert store.run_count(1) == 5
+        # only jobs given new runs since are looked at again
+        assert store.retain(T0, Retention(max_age_ms=None, max_runs_per_job=1)).runs_deleted == 0
+        store.write([batch(70, run(2, T0 + 3, "SUCCESS"))])
+        report = store.retain(T0, Retention(max_age_ms=None, max_runs_per_job=1))
+        assert report.runs_deleted == 3 and ats(store, 2) == [T0 + 3]
+        assert ats(store, 1) == [T0 + i for i in range(25, 30)]
+
+
+def test_the_age_pass_is_bounded_and_resumes(tmp_path: Path) -> None:
+    with open_store(tmp_path) as store:
+        store.write([created(k) for k in range(10)])
+        store.write(
+            [batch(20 + k, run(k, T0, "SUCCESS"), run(k, T0 + 1, "SUCCESS")) for k in range(10)]
+        )
+        report = store.retain(T0 + 11 * DAY, AGE, max_entries=7)
+        assert report.more and 0 < report.runs_deleted < 20
+        total = report.runs_deleted
+        while report.more:
+            report = store.retain(T0 + 11 * DAY, AGE, max_entries=7)
+            total += report.runs_deleted
+        assert total == 20
+        assert all(ats(store, k) == [] for k in range(10))
+
+
+def test_retention_and_counts_survive_reopen(tmp_path: Path) -> None:
+    with open_store(tmp_path) as store:
+        store.write([created(1)])
+        store.write([batch(10 + i, run(1, T0 + i, "SUCCESS")) for i in range(10)])
+        store.write([batch(30, run(1, T0 + 100))])  # pending, counted
+        store.retain(T0 + 50 * DAY, AGE)
+        counts = store.counts
+    with open_store(tmp_path, epoch=2) as store:
+        assert ats(store, 1) == [T0 + 100]
+        assert store.counts == counts and counts.runs_pending == 1
+        assert store.run_count(1) == 1
