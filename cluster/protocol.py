@@ -1,0 +1,171 @@
+"""The operations of the wire protocol: names, arguments, and the shapes of replies.
+
+Owns the vocabulary of :mod:`cluster.codec`'s messages: which ops exist, who may send them
+(clients, workers), which arguments each takes with which types, and how a result, an error or
+a push (a message the node sends unasked: a dispatch, a kill, a log chunk) is laid out. Every
+request is checked here before anything acts on it, so that a wrong type or an unknown field
+is a typed ``bad_args`` error naming the field, never an exception deep in the node. Must
+never act: executing an op is :mod:`cluster.node`'s business.
+
+A request is ``{"id": int, "op": str, "args": {...}}``; its reply ``{"id", "ok": true,
+"result": {...}}`` or ``{"id", "ok": false, "error": {"code", "message", "field"}}``. Replies
+may come out of order (pipelining); the id pairs them. A push is ``{"push": kind, ...}``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Final
+
+from cluster.codec import Message, ProtocolError
+
+#: Per op: (argument name -> (accepted types, required)). ``object`` accepts any msgpack value.
+_STR = (str,)
+_INT = (int,)
+_BOOL = (bool,)
+_MAP = (dict,)
+_LIST = (list,)
+_BYTES = (bytes,)
+
+ArgSpec = dict[str, tuple[tuple[type, ...], bool]]
+
+OPS: Final[dict[str, ArgSpec]] = {
+    "ping": {},
+    # ---- jobs
+    "job.create": {"spec": (_MAP, True)},
+    "job.create_many": {"specs": (_LIST, True)},
+    "job.update": {"id": (_STR, True), "changes": (_MAP, True)},
+    "job.cancel": {"id": (_STR, True), "stop_running": (_BOOL, False)},
+    "job.pause": {"id": (_STR, True)},
+    "job.resume": {"id": (_STR, True)},
+    "job.get": {"id": (_STR, True)},
+    "job.list": {"after": (_STR, False), "limit": (_INT, False)},
+    "job.preview": {"id": (_STR, False), "schedule": (_MAP, False), "count": (_INT, False)},
+    # ---- runs
+    "run.get": {"run_id": (_STR, True)},
+    "run.history": {"job_id": (_STR, True), "last": (_INT, False)},
+    "run.logs": {
+        "run_id": (_STR, True),
+        "offset": (_INT, False),
+        "limit": (_INT, False),
+    },
+    # ---- workers
+    "worker.hello": {
+        "worker_id": (_STR, True),
+        "tiers": (_LIST, True),
+        "slots": (_INT, True),
+        "held": (_LIST, False),
+    },
+    "worker.heartbeat": {"held": (_LIST, False)},
+    "worker.pull": {"credits": (_INT, True)},
+    "worker.started": {"run_id": (_STR, True), "token": (_INT, True)},
+    "worker.output": {
+        "run_id": (_STR, True),
+        "token": (_INT, True),
+        "stream": (_STR, True),
+        "data": (_BYTES, True),
+    },
+    "worker.finished": {
+        "run_id": (_STR, True),
+        "token": (_INT, True),
+        "outcome": (_STR, True),
+        "exit_code": ((int, type(None)), False),
+    },
+}
+
+#: Ops a connection may send only after ``worker.hello``.
+WORKER_OPS: Final = frozenset(op for op in OPS if op.startswith("worker.") and op != "worker.hello")
+
+MAX_LIMIT: Final = 10_000  # largest page of a list, history or log read
+MAX_BATCH: Final = 10_000  # most specs in one job.create_many
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    id: int
+    op: str
+    args: dict[str, Any]
+
+
+def parse_request(message: Message) -> Request:
+    """The request in ``message``, its arguments checked against :data:`OPS`.
+
+    Raises :class:`ProtocolError` with code ``bad_request`` (no integer id or no op),
+    ``unknown_op``, or ``bad_args`` (an unknown argument, a missing one, a wrong type, a limit
+    out of range); the error carries the request id whenever there is one.
+    """
+    request_id = message.get("id")
+    if not isinstance(request_id, int) or isinstance(request_id, bool):
+        raise ProtocolError("bad_request", "a request needs an integer 'id'")
+    op = message.get("op")
+    if not isinstance(op, str):
+        raise ProtocolError("bad_request", "a request needs a string 'op'", request_id)
+    spec = OPS.get(op)
+    if spec is None:
+        raise ProtocolError("unknown_op", f"unknown op {op[:64]!r}", request_id)
+    extra = set(message) - {"id", "op", "args"}
+    if extra:
+        raise ProtocolError("bad_request", f"unknown keys {sorted(extra)}", request_id)
+    args = message.get("args", {})
+    if not isinstance(args, dict):
+        raise ProtocolError("bad_args", "'args' must be a map", request_id)
+    for name in args:
+        if name not in spec:
+            raise _bad(request_id, name, f"unknown argument {str(name)[:64]!r} for {op}")
+    for name, (types, required) in spec.items():
+        if name not in args:
+            if required:
+                raise _bad(request_id, name, "is required")
+            continue
+        value = args[name]
+        if isinstance(value, bool) and bool not in types:
+            raise _bad(request_id, name, f"must be {_names(types)}, got a boolean")
+        if not isinstance(value, types):
+            raise _bad(request_id, name, f"must be {_names(types)}, got {type(value).__name__}")
+    for name in ("limit", "last", "count"):
+        if name in args and not 1 <= args[name] <= MAX_LIMIT:
+            raise _bad(request_id, name, f"must be in 1..{MAX_LIMIT}")
+    if op == "job.create_many" and len(args["specs"]) > MAX_BATCH:
+        raise _bad(request_id, "specs", f"at most {MAX_BATCH} specs per batch")
+    return Request(request_id, op, args)
+
+
+class BadArgs(ProtocolError):
+    """``bad_args`` naming the argument at fault."""
+
+    def __init__(self, message: str, request_id: int | None, field: str) -> None:
+        super().__init__("bad_args", message, request_id)
+        self.field = field
+
+
+def _bad(request_id: int, field: str, message: str) -> BadArgs:
+    return BadArgs(f"{field}: {message}", request_id, str(field)[:64])
+
+
+def _names(types: tuple[type, ...]) -> str:
+    words = {
+        str: "a string",
+        int: "an integer",
+        bool: "a boolean",
+        dict: "a map",
+        list: "a list",
+        bytes: "bytes",
+        type(None): "null",
+    }
+    return " or ".join(words.get(t, t.__name__) for t in types)
+
+
+def ok(request_id: int, result: Any) -> Message:
+    return {"id": request_id, "ok": True, "result": result}
+
+
+def error(request_id: int | None, code: str, message: str, field: str | None = None) -> Message:
+    return {
+        "id": request_id,
+        "ok": False,
+        "error": {"code": code, "message": message, "field": field},
+    }
+
+
+def push(kind: str, **fields: Any) -> Message:
+    return {"push": kind, **fields}
