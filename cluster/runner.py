@@ -1,0 +1,805 @@
+"""Running one task of a run on a worker machine: spawn, stream output, enforce the timeout, kill.
+
+Owns the local life of one attempt: how a ``command``, ``shell`` or ``container`` task becomes a
+process (its argv, environment and working directory), its own process group, streaming its
+stdout and stderr in bounded chunks, the stop sequence (SIGTERM to the group, a grace, SIGKILL
+to the group) on a timeout or a kill request, and the outcome (:class:`TaskOutcome`). The
+decisions (which outcome, what environment, what container command line, which exit code for a
+spawn failure) are small pure functions at the top of the module; :func:`run_task` is the thin
+Trio driver around them.
+
+Must never talk to the node, decide retries or report anything: the worker agent
+(``cluster.worker``) does that with the outcome it gets back. Must never run ``payload`` tasks
+(user code handles those through the client library) and never let a process it started outlive
+the call, apart from one that left its process group on purpose (``setsid``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Final, TypeGuard
+
+import trio
+
+from engine.effects import RunTicket
+
+__all__ = [
+    "CHUNK_BYTES",
+    "CONTAINER_RUNTIMES",
+    "DRAIN_S",
+    "OUTCOMES",
+    "SHELL",
+    "Launch",
+    "LaunchRefused",
+    "RunHandle",
+    "RunnerError",
+    "RunnerUsageError",
+    "Stop",
+    "TaskNotRunnable",
+    "TaskOutcome",
+    "container_argv",
+    "container_name",
+    "decide_outcome",
+    "format_scheduled_at",
+    "parse_proc_stat",
+    "pick_runtime",
+    "plan_launch",
+    "run_task",
+    "run_vars",
+    "spawn_failure",
+    "stop_notice",
+    "task_kind",
+]
+
+#: The largest piece of output handed to ``on_output`` at once (per read of a pipe).
+CHUNK_BYTES: Final = 64 * 1024
+#: How long output is still read after the task's process group is gone. A process that left
+#: the group (``setsid``) may hold the pipes open forever; we stop reading it after this.
+DRAIN_S: Final = 2.0
+#: Container runtimes in the order auto-detection tries them.
+CONTAINER_RUNTIMES: Final = ("docker", "podman")
+#: The shell ``shell`` tasks run through.
+SHELL: Final = "/bin/sh"
+#: Outcomes, as ``ReportFinished.outcome`` spells them.
+OUTCOMES: Final = ("success", "failed", "timed_out", "killed")
+
+# Exit codes for a task that never started, as shells use them: 127 "command not found",
+# 126 "found but cannot be executed".
+_NOT_FOUND: Final = 127
+_CANNOT_EXECUTE: Final = 126
+# How often the stop sequence looks whether the process group is empty yet.
+_GROUP_POLL_S: Final = 0.02
+# Upper bound on the ``<runtime> rm -f`` that removes a stopped container.
+_CONTAINER_RM_S: Final = 10.0
+# Upper bound on reaping the leader after a SIGKILL when the call is being cancelled.
+_REAP_S: Final = 2.0
+_EPOCH: Final = datetime(1970, 1, 1, tzinfo=UTC)
+_NAME_BAD_RE: Final = re.compile(r"[^a-zA-Z0-9_.-]+")
+
+
+# --------------------------------------------------------------------------------------------
+# Errors
+
+
+class RunnerError(Exception):
+    """Root of every exception raised by :mod:`cluster.runner`. ``code`` is stable (for the
+    wire and for logs)."""
+
+    code: str = "runner_error"
+
+
+class RunnerUsageError(RunnerError, ValueError):
+    """:func:`run_task` was called wrong (a negative grace, a chunk size below 1). Nothing was
+    started."""
+
+    code = "runner_usage"
+
+
+class TaskNotRunnable(RunnerUsageError):
+    """The ticket's task is not one a worker runs: a ``payload`` task (user code takes those
+    through the client library), or a task that is not a well-formed ``command``, ``shell`` or
+    ``container`` task. ``kind`` is the task's kind when it has exactly one, else None.
+    Nothing was started."""
+
+    code = "not_runnable"
+
+    def __init__(self, message: str, *, kind: str | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+# --------------------------------------------------------------------------------------------
+# Values
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """Why the runner stopped a task that was still running: ``kind`` is ``timeout`` or
+    ``kill``; ``reason`` is the human text (the node's kill reason, or the timeout)."""
+
+    kind: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Launch:
+    """What to start for a runnable task: ``argv`` (program first, never through a shell unless
+    the task is a ``shell`` task), the complete environment, the working directory (None: the
+    worker's), and for containers the runtime and container name (for the clean-up)."""
+
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+    cwd: str | None
+    kind: str
+    runtime: str | None = None
+    container: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchRefused:
+    """A runnable task that cannot start on this machine (no container runtime): the run fails
+    with ``exit_code`` and ``message`` (which also goes to the task's stderr)."""
+
+    exit_code: int
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class TaskOutcome:
+    """How one attempt ended.
+
+    - ``outcome``: ``success`` (exit status 0), ``failed`` (any other status, a signal from
+      outside the runner, or a task that could not start), ``timed_out`` (stopped at
+      ``ticket.timeout_ms``) or ``killed`` (stopped by :meth:`RunHandle.kill`).
+    - ``exit_code``: the process's exit status, or minus the signal that ended it (``-15``,
+      ``-9``); 127/126 when the program or the container runtime was not found / could not be
+      executed; None when no process was started because a kill came first.
+    - ``started`` / ``finished``: :func:`time.monotonic` readings around the attempt (``started``
+      just before the spawn, ``finished`` once the group is stopped and the output drained).
+    - ``stdout_bytes`` / ``stderr_bytes``: bytes handed to ``on_output`` per stream, the
+      runner's own ``tickwheel:`` notices on stderr included.
+    - ``reason``: why it was stopped or could not start (None for a process that ended on its
+      own).
+    - ``sigkill``: the group had to be SIGKILLed (something in it outlived the grace).
+    """
+
+    outcome: str
+    exit_code: int | None
+    started: float
+    finished: float
+    stdout_bytes: int = 0
+    stderr_bytes: int = 0
+    reason: str | None = None
+    sigkill: bool = False
+
+    @property
+    def duration_s(self) -> float:
+        return self.finished - self.started
+
+
+# --------------------------------------------------------------------------------------------
+# Pure decisions
+
+
+def task_kind(task: Mapping[str, object]) -> str:
+    """The kind of ``task``: ``command``, ``shell`` or ``container``.
+
+    Raises :class:`TaskNotRunnable` for a ``payload`` task and for anything that is not exactly
+    one known kind with the shape ``engine.jobs`` validates (``command``: a non-empty list of
+    strings; ``shell``: a string; ``container``: ``image`` and optional ``args``; optional
+    ``env`` of strings and ``cwd`` string)."""
+    if not isinstance(task, Mapping):
+        raise TaskNotRunnable(f"a task must be an object, got {type(task).__name__}")
+    kinds = [k for k in ("command", "shell", "container", "payload") if k in task]
+    if len(kinds) != 1:
+        raise TaskNotRunnable(f"a task needs exactly one kind, got {kinds or 'none'}")
+    kind = kinds[0]
+    if kind == "payload":
+        raise TaskNotRunnable(
+            "payload tasks are handed to client-library workers, not run as processes",
+            kind=kind,
+        )
+    unknown = set(task) - {kind, "env", "cwd"}
+    if unknown:
+        raise TaskNotRunnable(f"unknown task keys: {sorted(unknown)}", kind=kind)
+    value = task[kind]
+    if kind == "command":
+        if not _is_str_list(value) or not value or not value[0]:
+            raise TaskNotRunnable("command must be a non-empty list of strings", kind=kind)
+    elif kind == "shell":
+        if not isinstance(value, str) or not value.strip():
+            raise TaskNotRunnable("shell must be a non-empty string", kind=kind)
+    else:
+        if not isinstance(value, Mapping) or set(value) - {"image", "args"}:
+            raise TaskNotRunnable("container must be an object with image and args", kind=kind)
+        image = value.get("image")
+        if not isinstance(image, str) or not image or image.startswith("-"):
+            raise TaskNotRunnable("container.image must be an image reference", kind=kind)
+        if not _is_str_list(value.get("args", [])):
+            raise TaskNotRunnable("container.args must be a list of strings", kind=kind)
+    env = task.get("env", {})
+    if not isinstance(env, Mapping) or not all(
+        isinstance(k, str) and k and "=" not in k and isinstance(v, str) for k, v in env.items()
+    ):
+        raise TaskNotRunnable("env must map variable names to strings", kind=kind)
+    cwd = task.get("cwd")
+    if cwd is not None and (not isinstance(cwd, str) or not cwd):
+        raise TaskNotRunnable("cwd must be a non-empty string", kind=kind)
+    if _holds_nul(task):
+        # The OS cannot take it (exec and environ are NUL-terminated); engine.jobs refuses it.
+        raise TaskNotRunnable("task strings must not contain NUL characters", kind=kind)
+    return kind
+
+
+def format_scheduled_at(ms: int) -> str:
+    """``ms`` (since the Unix epoch) as ISO 8601 UTC with milliseconds:
+    ``2026-11-30T12:00:00.000Z``. Exact (no float rounding). Raises OverflowError outside
+    years 1-9999."""
+    at = _EPOCH + timedelta(milliseconds=ms)
+    return at.strftime("%Y-%m-%dT%H:%M:%S.") + f"{at.microsecond // 1000:03d}Z"
+
+
+def run_vars(ticket: RunTicket) -> dict[str, str]:
+    """The ``TICKWHEEL_*`` variables a task of ``ticket`` sees (docs/tasks.md lists them).
+
+    ``TICKWHEEL_SCHEDULED_AT`` is ISO 8601 UTC with milliseconds and ``TICKWHEEL_SCHEDULED_MS``
+    the same instant as integer milliseconds since the epoch (the form the run id carries);
+    ``TICKWHEEL_SCHEDULED_AT`` is left out for an instant outside years 1-9999."""
+    out = {
+        "TICKWHEEL_RUN_ID": ticket.run_id,
+        "TICKWHEEL_JOB_ID": ticket.job_id,
+        "TICKWHEEL_ATTEMPT": str(ticket.attempt),
+        "TICKWHEEL_SCHEDULED_MS": str(ticket.scheduled_ms),
+        "TICKWHEEL_FENCE": str(ticket.token),
+        "TICKWHEEL_JOB_VERSION": str(ticket.version),
+        "TICKWHEEL_DELIVERY": ticket.delivery,
+        "TICKWHEEL_TIER": ticket.tier,
+    }
+    try:
+        out["TICKWHEEL_SCHEDULED_AT"] = format_scheduled_at(ticket.scheduled_ms)
+    except OverflowError:
+        pass
+    if ticket.timeout_ms is not None:
+        out["TICKWHEEL_TIMEOUT_MS"] = str(ticket.timeout_ms)
+    return out
+
+
+def pick_runtime(
+    requested: str | None, which: Callable[..., str | None], *, path: str | None = None
+) -> str | None:
+    """The container runtime to use: ``requested`` (a name or a path) if ``which`` finds it,
+    else None; without a request, the first of :data:`CONTAINER_RUNTIMES` found. ``which`` is
+    :func:`shutil.which`-like (``path`` is passed as its ``path`` when given)."""
+    candidates = (requested,) if requested else CONTAINER_RUNTIMES
+    for name in candidates:
+        found = which(name) if path is None else which(name, path=path)
+        if found:
+            return found
+    return None
+
+
+def container_name(ticket: RunTicket) -> str:
+    """A container name unique to this attempt: ``tickwheel-<job id, sanitised>-<hash>``.
+
+    The hash covers the run id and the fencing token, which is unique per claim, so a retry or
+    a re-sent attempt never collides with a container of an earlier attempt that is still
+    being removed. Matches the runtimes' ``[a-zA-Z0-9][a-zA-Z0-9_.-]*``."""
+    slug = _NAME_BAD_RE.sub("-", ticket.job_id).strip("-.")[:40] or "job"
+    digest = hashlib.blake2b(f"{ticket.run_id}\0{ticket.token}".encode(), digest_size=6).hexdigest()
+    return f"tickwheel-{slug}-{digest}"
+
+
+def container_argv(
+    runtime: str,
+    *,
+    name: str,
+    image: str,
+    args: Sequence[str],
+    env_names: Sequence[str],
+    workdir: str | None = None,
+) -> list[str]:
+    """The command line that runs a container task in the foreground.
+
+    ``<runtime> run --rm --name NAME [-e VAR]... [--workdir DIR] IMAGE ARGS...``. Variables
+    go in by name only (``-e VAR``): the runtime copies their values from its own environment,
+    so values never show on a command line (``ps``). ``--rm`` removes the container when it
+    ends; the default ``--sig-proxy`` passes the SIGTERM of the stop sequence on to the
+    container."""
+    argv = [runtime, "run", "--rm", "--name", name]
+    for var in env_names:
+        argv += ["-e", var]
+    if workdir is not None:
+        argv += ["--workdir", workdir]
+    argv.append(image)
+    argv.extend(args)
+    return argv
+
+
+def plan_launch(
+    ticket: RunTicket,
+    *,
+    base_env: Mapping[str, str],
+    container_runtime: str | None = None,
+    which: Callable[..., str | None] = shutil.which,
+) -> Launch | LaunchRefused:
+    """What to start for ``ticket``, decided without starting anything.
+
+    Environment, in increasing precedence: ``base_env`` (the worker's), the task's ``env``,
+    then :func:`run_vars` (a task cannot fake its run id or fence). A ``container`` task gets
+    only the task's ``env`` and the run variables inside the container; the runtime process
+    itself gets the whole environment. The runtime is looked up on ``base_env["PATH"]``.
+
+    Raises :class:`TaskNotRunnable` (payload, malformed task). Returns :class:`LaunchRefused`
+    when no container runtime is found."""
+    kind = task_kind(ticket.task)
+    task = ticket.task
+    own_env: dict[str, str] = dict(task.get("env", {}))
+    system = run_vars(ticket)
+    env = {**base_env, **own_env, **system}
+    cwd: str | None = task.get("cwd")
+    if kind == "command":
+        return Launch(tuple(task["command"]), env, cwd, kind)
+    if kind == "shell":
+        return Launch((SHELL, "-c", task["shell"]), env, cwd, kind)
+    box: Mapping[str, object] = task["container"]
+    runtime = pick_runtime(container_runtime, which, path=base_env.get("PATH", os.defpath))
+    if runtime is None:
+        wanted = container_runtime or " or ".join(CONTAINER_RUNTIMES)
+        return LaunchRefused(
+            _NOT_FOUND,
+            f"container task: no container runtime found ({wanted} is not installed on this "
+            "worker, or not on its PATH)",
+        )
+    name = container_name(ticket)
+    image = box["image"]
+    args = box.get("args", [])
+    assert isinstance(image, str) and _is_str_list(args)  # checked by task_kind
+    argv = container_argv(
+        runtime,
+        name=name,
+        image=image,
+        args=args,
+        env_names=[*own_env.keys() - system.keys(), *system],
+        workdir=cwd,
+    )
+    # The runtime runs in the worker's directory; ``cwd`` is the directory inside the container.
+    return Launch(tuple(argv), env, None, kind, runtime=runtime, container=name)
+
+
+def spawn_failure(err: OSError, program: str, cwd: str | None) -> tuple[int, str]:
+    """The exit code and message for a process that could not be started: 127 when the program
+    does not exist, 126 when it exists but cannot be executed (permissions, not a regular
+    executable, a bad interpreter line, a missing working directory)."""
+    reason = err.strerror or str(err)
+    if cwd is not None and err.filename == cwd and err.filename != program:
+        return _CANNOT_EXECUTE, f"cannot change to the working directory {cwd!r}: {reason}"
+    if isinstance(err, FileNotFoundError):
+        return _NOT_FOUND, f"{program}: command not found ({reason})"
+    return _CANNOT_EXECUTE, f"{program}: cannot execute ({reason})"
+
+
+def decide_outcome(returncode: int | None, stop: Stop | None) -> tuple[str, str | None]:
+    """The outcome and reason of an attempt: a stop by the runner wins over the exit status
+    (a task that traps SIGTERM and exits 0 after its timeout still timed out); otherwise
+    status 0 is ``success`` and anything else, a signal from outside included, ``failed``."""
+    if stop is not None:
+        return ("timed_out" if stop.kind == "timeout" else "killed"), stop.reason
+    if returncode == 0:
+        return "success", None
+    return "failed", None
+
+
+def stop_notice(stop: Stop, *, grace_s: float, sigkill: bool, returncode: int | None) -> str:
+    """The line the runner adds to the task's stderr after stopping it, so a reader of the logs
+    sees why it ended."""
+    how = (
+        f"SIGTERM, then SIGKILL after the {grace_s:g} s grace"
+        if sigkill
+        else "SIGTERM to the process group"
+    )
+    status = "" if returncode is None else f"; exit {_describe_status(returncode)}"
+    return f"tickwheel: stopped ({stop.reason}): {how}{status}"
+
+
+def parse_proc_stat(text: str) -> tuple[str, int] | None:
+    """``(state, process group id)`` from the text of ``/proc/PID/stat``, or None if it does not
+    parse. The command name (field 2) may hold spaces and parentheses, so fields are counted
+    from its last ``)``."""
+    _, sep, rest = text.rpartition(")")
+    fields = rest.split()
+    if not sep or len(fields) < 3:
+        return None
+    try:
+        return fields[0], int(fields[2])
+    except ValueError:
+        return None
+
+
+def _describe_status(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"signal {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"signal {-returncode}"
+    return str(returncode)
+
+
+def _holds_nul(value: object) -> bool:
+    if isinstance(value, str):
+        return "\0" in value
+    if isinstance(value, Mapping):
+        return any(_holds_nul(k) or _holds_nul(v) for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return any(_holds_nul(v) for v in value)
+    return False
+
+
+def _is_str_list(value: object) -> TypeGuard[list[str] | tuple[str, ...]]:
+    return isinstance(value, list | tuple) and all(isinstance(a, str) for a in value)
+
+
+# --------------------------------------------------------------------------------------------
+# Process groups (Linux and other POSIX systems)
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    """Send ``sig`` to the group; a group already gone is not an error."""
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        # ESRCH: nothing left. EPERM: only members we may not signal (or zombies on some
+        # systems) are left; there is nothing more we can do for those.
+        pass
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether any process of the group is still running (zombies do not count).
+
+    ``killpg(pgid, 0)`` alone would count zombies: orphans wait for their new parent to reap
+    them, which in a container without an init may be never, and the stop sequence would then
+    always wait out the grace. Where ``/proc`` exists we look for a live member there."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return True
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parsed = parse_proc_stat(f.read())
+        except OSError:
+            continue  # exited meanwhile
+        if parsed is not None and parsed[1] == pgid and parsed[0] not in ("Z", "X"):
+            return True
+    return False
+
+
+# --------------------------------------------------------------------------------------------
+# The handle a worker keeps per run
+
+
+class RunHandle:
+    """The worker's hold on one :func:`run_task` call: request a kill, learn the process id.
+
+    Create one per attempt and pass it as ``handle``. Use it from the Trio thread of the call
+    only (it holds :class:`trio.Event` objects). A kill requested before the task starts means
+    it never starts; one requested after it ended changes nothing.
+    """
+
+    def __init__(self) -> None:
+        self._kill = trio.Event()
+        self._started = trio.Event()
+        self.kill_reason: str | None = None
+        #: The process id (and group id) of the task's main process, once started.
+        self.pid: int | None = None
+
+    def kill(self, reason: str) -> None:
+        """Stop the task: SIGTERM to its group, the grace, SIGKILL; the outcome is ``killed``
+        with ``reason`` (e.g. ``cancelled``, ``superseded``, ``fenced: no heartbeat``). The
+        first reason given wins; later calls are ignored. Returns at once."""
+        if self.kill_reason is None:
+            self.kill_reason = reason
+            self._kill.set()
+
+    async def wait_started(self) -> int:
+        """Wait until the process has started; return its pid. Never returns for a task that
+        does not start (a refused launch, a kill that came first)."""
+        await self._started.wait()
+        assert self.pid is not None
+        return self.pid
+
+    async def _wait_kill(self) -> str:
+        await self._kill.wait()
+        assert self.kill_reason is not None
+        return self.kill_reason
+
+    def _mark_started(self, pid: int) -> None:
+        self.pid = pid
+        self._started.set()
+
+
+# --------------------------------------------------------------------------------------------
+# The Trio driver
+
+OnOutput = Callable[[str, bytes], Awaitable[None]]
+
+
+async def run_task(
+    ticket: RunTicket,
+    *,
+    on_output: OnOutput,
+    handle: RunHandle | None = None,
+    kill_grace_s: float = 5.0,
+    container_runtime: str | None = None,
+    base_env: Mapping[str, str] | None = None,
+    chunk_bytes: int = CHUNK_BYTES,
+    drain_s: float = DRAIN_S,
+) -> TaskOutcome:
+    """Run the task of ``ticket`` to its end and say how it ended.
+
+    The process runs in a new session (its own process group, no controlling terminal), with
+    stdin from ``/dev/null`` and the environment of :func:`plan_launch` (``base_env`` defaults
+    to ``os.environ``). stdout and stderr go to ``await on_output(stream, data)`` in chunks of
+    at most ``chunk_bytes`` as they arrive, in order per stream; calls are never concurrent (a
+    lock serialises the two streams), and a slow ``on_output`` slows the task through its full
+    pipe rather than costing memory here.
+
+    Stop sequence, on ``ticket.timeout_ms`` (measured from the spawn) or ``handle.kill()``:
+    SIGTERM to the whole group; once the main process and every other member have exited, or
+    after ``kill_grace_s``, SIGKILL to the group. When the main process ends on its own, any
+    member of its group still running gets the same sequence (nothing the task started in its
+    group outlives the run). Output is then read for at most ``drain_s`` more (a process that
+    left the group may keep the pipes open). For a container task that was stopped, the
+    container is also removed (``<runtime> rm -f NAME``), since a SIGKILLed runtime client
+    leaves its container running.
+
+    Returns a :class:`TaskOutcome`; a task that cannot start (missing program, no container
+    runtime, missing working directory) is a ``failed`` outcome with a ``tickwheel:`` message on
+    its stderr, never an exception. Raises :class:`TaskNotRunnable` for a payload or malformed
+    task and :class:`RunnerUsageError` for bad arguments, both before starting anything. If the
+    call is cancelled, or ``on_output`` raises, the group is SIGKILLed at once (no grace), the
+    container removed, and the exception propagates.
+    """
+    if not kill_grace_s >= 0:
+        raise RunnerUsageError(f"kill_grace_s must be >= 0, got {kill_grace_s!r}")
+    if chunk_bytes < 1:
+        raise RunnerUsageError(f"chunk_bytes must be >= 1, got {chunk_bytes!r}")
+    if not drain_s >= 0:
+        raise RunnerUsageError(f"drain_s must be >= 0, got {drain_s!r}")
+    handle = handle if handle is not None else RunHandle()
+    plan = plan_launch(
+        ticket,
+        base_env=os.environ if base_env is None else base_env,
+        container_runtime=container_runtime,
+    )
+    out = _Output(on_output)
+    started = time.monotonic()
+    if handle.kill_reason is not None:
+        return TaskOutcome("killed", None, started, time.monotonic(), reason=handle.kill_reason)
+    if isinstance(plan, LaunchRefused):
+        await out.notice(plan.message)
+        return out.outcome("failed", plan.exit_code, started, reason=plan.message)
+    try:
+        proc = await trio.lowlevel.open_process(
+            list(plan.argv),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=dict(plan.env),
+            cwd=plan.cwd,
+            start_new_session=True,
+        )
+    except OSError as err:
+        code, message = spawn_failure(err, plan.argv[0], plan.cwd)
+        await out.notice(message)
+        return out.outcome("failed", code, started, reason=message)
+    handle._mark_started(proc.pid)
+    return await _supervise(
+        proc, plan, ticket, handle, out, started, kill_grace_s, chunk_bytes, drain_s
+    )
+
+
+class _Output:
+    """``on_output`` behind a lock, with per-stream byte counts."""
+
+    def __init__(self, sink: OnOutput) -> None:
+        self._sink = sink
+        self._lock = trio.Lock()
+        self.counts = {"stdout": 0, "stderr": 0}
+
+    async def send(self, stream: str, data: bytes) -> None:
+        async with self._lock:
+            self.counts[stream] += len(data)
+            await self._sink(stream, data)
+
+    async def notice(self, message: str) -> None:
+        line = message if message.startswith("tickwheel:") else f"tickwheel: {message}"
+        await self.send("stderr", line.encode() + b"\n")
+
+    def outcome(
+        self,
+        outcome: str,
+        exit_code: int | None,
+        started: float,
+        *,
+        reason: str | None = None,
+        sigkill: bool = False,
+    ) -> TaskOutcome:
+        return TaskOutcome(
+            outcome,
+            exit_code,
+            started,
+            time.monotonic(),
+            self.counts["stdout"],
+            self.counts["stderr"],
+            reason,
+            sigkill,
+        )
+
+
+async def _supervise(
+    proc: trio.Process,
+    plan: Launch,
+    ticket: RunTicket,
+    handle: RunHandle,
+    out: _Output,
+    started: float,
+    grace_s: float,
+    chunk_bytes: int,
+    drain_s: float,
+) -> TaskOutcome:
+    pgid = proc.pid  # start_new_session: the leader's pid is the group's id
+    stdout, stderr = proc.stdout, proc.stderr
+    assert stdout is not None and stderr is not None
+    readers_done = trio.Event()
+    stop: Stop | None = None
+    sigkill = False
+
+    # An exception from on_output (or a pipe) is kept here and re-raised as itself, not
+    # wrapped in the ExceptionGroups of our internal nurseries, which callers cannot see.
+    failures: list[Exception] = []
+    body = trio.CancelScope()
+
+    async def pump(stream: trio.abc.ReceiveStream, name: str) -> None:
+        try:
+            while data := await stream.receive_some(chunk_bytes):
+                # Pipes hand out bytes already; the conversion is for the interface's bytearray.
+                await out.send(name, data if isinstance(data, bytes) else bytes(data))
+        except Exception as exc:
+            failures.append(exc)
+            body.cancel()
+
+    async def read_all() -> None:
+        async with trio.open_nursery() as readers:
+            readers.start_soon(pump, stdout, "stdout")
+            readers.start_soon(pump, stderr, "stderr")
+        readers_done.set()
+
+    try:
+        with body:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(read_all)
+                stop = await _wait_exit_or_stop(proc, handle, ticket.timeout_ms)
+                if stop is not None or _group_alive(pgid):
+                    sigkill = await _stop_group(proc, pgid, grace_s)
+                returncode = await proc.wait()
+                with trio.move_on_after(drain_s):
+                    await readers_done.wait()
+                nursery.cancel_scope.cancel()
+        if failures:
+            raise failures[0]
+        if stop is not None:
+            if plan.container is not None:
+                with trio.CancelScope(shield=True):
+                    await _remove_container(plan)
+            await out.notice(
+                stop_notice(stop, grace_s=grace_s, sigkill=sigkill, returncode=returncode)
+            )
+    except BaseException:
+        # Cancelled from outside, or on_output raised: nothing we started may outlive us, and
+        # there is no time for a grace.
+        with trio.CancelScope(shield=True):
+            _signal_group(pgid, signal.SIGKILL)
+            with trio.move_on_after(_REAP_S):
+                await proc.wait()
+            if plan.container is not None:
+                await _remove_container(plan)
+        raise
+    finally:
+        with trio.CancelScope(shield=True):
+            await stdout.aclose()
+            await stderr.aclose()
+    outcome, reason = decide_outcome(returncode, stop)
+    return out.outcome(outcome, returncode, started, reason=reason, sigkill=sigkill)
+
+
+async def _wait_exit_or_stop(
+    proc: trio.Process, handle: RunHandle, timeout_ms: int | None
+) -> Stop | None:
+    """Wait for the main process to exit (None; it is reaped) or for a reason to stop it (the
+    first of the timeout and a kill request; it is not reaped, so its group id stays reserved
+    for the signals of the stop sequence)."""
+    stops: list[Stop] = []
+    exited = False
+
+    async with trio.open_nursery() as race:
+
+        async def on_exit() -> None:
+            nonlocal exited
+            await proc.wait()
+            exited = True
+            race.cancel_scope.cancel()
+
+        async def on_kill() -> None:
+            reason = await handle._wait_kill()
+            if not exited:
+                stops.append(Stop("kill", reason))
+            race.cancel_scope.cancel()
+
+        async def on_timeout(timeout_ms: int) -> None:
+            await trio.sleep(max(0, timeout_ms) / 1000)
+            if not exited:
+                stops.append(Stop("timeout", f"timed out after {timeout_ms} ms"))
+            race.cancel_scope.cancel()
+
+        race.start_soon(on_exit)
+        race.start_soon(on_kill)
+        if timeout_ms is not None:
+            race.start_soon(on_timeout, timeout_ms)
+    return stops[0] if stops else None
+
+
+async def _stop_group(proc: trio.Process, pgid: int, grace_s: float) -> bool:
+    """SIGTERM the group; SIGKILL it if the main process or any member is still running after
+    ``grace_s``. Returns whether SIGKILL was needed. Returns once the main process is reaped."""
+    _signal_group(pgid, signal.SIGTERM)
+    with trio.move_on_after(grace_s):
+        await proc.wait()
+        # The leader is reaped; members still running keep the group id reserved, so the
+        # signals below cannot reach an unrelated group (once the group is empty the id could
+        # be reused in theory, but only after the pid space wraps around).
+        while _group_alive(pgid):
+            await trio.sleep(_GROUP_POLL_S)
+        return False
+    _signal_group(pgid, signal.SIGKILL)
+    await proc.wait()
+    return True
+
+
+async def _remove_container(plan: Launch) -> None:
+    """``<runtime> rm -f NAME``, best effort and bounded: the container of a stopped task may
+    still run after its runtime client was SIGKILLed."""
+    assert plan.runtime is not None and plan.container is not None
+    try:
+        rm = await trio.lowlevel.open_process(
+            [plan.runtime, "rm", "-f", plan.container],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=dict(plan.env),
+            start_new_session=True,
+        )
+    except OSError:
+        return
+    with trio.move_on_after(_CONTAINER_RM_S):
+        await rm.wait()
+        return
+    rm.kill()
+    with trio.move_on_after(_REAP_S):
+        await rm.wait()
