@@ -37,6 +37,7 @@ __all__ = [
     "CONTAINER_RUNTIMES",
     "DRAIN_S",
     "OUTCOMES",
+    "RUN_VAR_NAMES",
     "SHELL",
     "Launch",
     "LaunchRefused",
@@ -69,6 +70,22 @@ DRAIN_S: Final = 2.0
 CONTAINER_RUNTIMES: Final = ("docker", "podman")
 #: The shell ``shell`` tasks run through.
 SHELL: Final = "/bin/sh"
+#: Every variable :func:`run_vars` may set. Inherited values of these are dropped first, so a
+#: worker that itself runs under tickwheel never passes its own run's values on to a task.
+RUN_VAR_NAMES: Final = frozenset(
+    {
+        "TICKWHEEL_RUN_ID",
+        "TICKWHEEL_JOB_ID",
+        "TICKWHEEL_ATTEMPT",
+        "TICKWHEEL_SCHEDULED_AT",
+        "TICKWHEEL_SCHEDULED_MS",
+        "TICKWHEEL_FENCE",
+        "TICKWHEEL_JOB_VERSION",
+        "TICKWHEEL_DELIVERY",
+        "TICKWHEEL_TIER",
+        "TICKWHEEL_TIMEOUT_MS",
+    }
+)
 #: Outcomes, as ``ReportFinished.outcome`` spells them.
 OUTCOMES: Final = ("success", "failed", "timed_out", "killed")
 
@@ -334,7 +351,8 @@ def plan_launch(
     """What to start for ``ticket``, decided without starting anything.
 
     Environment, in increasing precedence: ``base_env`` (the worker's), the task's ``env``,
-    then :func:`run_vars` (a task cannot fake its run id or fence). A ``container`` task gets
+    then :func:`run_vars` (a task cannot fake its run id or fence); names in
+    :data:`RUN_VAR_NAMES` are taken from the ticket only, never inherited. A ``container`` task gets
     only the task's ``env`` and the run variables inside the container; the runtime process
     itself gets the whole environment. The runtime is looked up on ``base_env["PATH"]``.
 
@@ -342,9 +360,11 @@ def plan_launch(
     when no container runtime is found."""
     kind = task_kind(ticket.task)
     task = ticket.task
-    own_env: dict[str, str] = dict(task.get("env", {}))
+    own_env = {k: v for k, v in task.get("env", {}).items() if k not in RUN_VAR_NAMES}
     system = run_vars(ticket)
-    env = {**base_env, **own_env, **system}
+    env = {k: v for k, v in base_env.items() if k not in RUN_VAR_NAMES}
+    env.update(own_env)
+    env.update(system)
     cwd: str | None = task.get("cwd")
     if kind == "command":
         return Launch(tuple(task["command"]), env, cwd, kind)
@@ -368,7 +388,7 @@ def plan_launch(
         name=name,
         image=image,
         args=args,
-        env_names=[*own_env.keys() - system.keys(), *system],
+        env_names=[*own_env, *system],
         workdir=cwd,
     )
     # The runtime runs in the worker's directory; ``cwd`` is the directory inside the container.

@@ -22,6 +22,7 @@ import trio
 
 from cluster.runner import (
     CHUNK_BYTES,
+    RUN_VAR_NAMES,
     Launch,
     LaunchRefused,
     RunHandle,
@@ -222,6 +223,17 @@ class TestEnvironment:
         assert plan.env["OWN"] == "1"
         assert plan.env["HOME"] == "/h"
         assert plan.env["TICKWHEEL_FENCE"] == str(t.token)  # a task cannot fake its fence
+
+    def test_run_vars_are_never_inherited(self) -> None:
+        # A worker running under tickwheel itself: its own run's timeout must not leak into a
+        # task without one; other TICKWHEEL_ settings (the worker's connect address) pass.
+        t = ticket({"command": ["env"], "env": {"TICKWHEEL_TIMEOUT_MS": "1"}})
+        inherited = {"TICKWHEEL_TIMEOUT_MS": "9", "TICKWHEEL_CONNECT": "node:7070"}
+        plan = plan_launch(t, base_env=inherited)
+        assert isinstance(plan, Launch)
+        assert "TICKWHEEL_TIMEOUT_MS" not in plan.env
+        assert plan.env["TICKWHEEL_CONNECT"] == "node:7070"
+        assert set(run_vars(t)) <= RUN_VAR_NAMES
 
 
 class TestPlanLaunch:
