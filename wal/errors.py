@@ -139,9 +139,9 @@ class StoreIOError(StoreFailure):
 # RocksDB reports errors as text (rocksdict raises a bare ``Exception``); these fragments name
 # the cause. Ordered: the first match wins, so the more specific come first.
 _PATTERNS: tuple[tuple[tuple[str, ...], type[StoreFailure]], ...] = (
-    (("lock hold by", "/LOCK:", "While lock file"), StoreLocked),
-    (("No space left", "File too large", "Disk quota exceeded", "NoSpace"), DiskFull),
     (("Read-only file system", "Permission denied", "Operation not permitted"), ReadOnly),
+    (("lock hold by", "While lock file"), StoreLocked),
+    (("No space left", "File too large", "Disk quota exceeded", "NoSpace"), DiskFull),
     (("Corruption", "corrupt", "checksum mismatch", "MANIFEST-", "CURRENT"), Corrupt),
 )
 

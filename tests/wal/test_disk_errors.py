@@ -1,0 +1,188 @@
+"""Disk trouble surfaces as typed errors and never costs an acknowledged batch: no space (a
+file size limit in a child process), a read-only directory, corrupt files."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.wal.records import created
+from wal.errors import Corrupt, DiskFull, ReadOnly, StoreError, StoreFailure
+from wal.store import ShardStore
+
+
+def child(*args: str) -> list[str]:
+    """Run :mod:`tests.wal.disk_child` and return its stdout lines."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.wal.disk_child", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.splitlines()
+
+
+def open_store(path: Path | str, epoch: int) -> ShardStore:
+    return ShardStore.open(path, shard=0, shards=1, epoch=epoch)
+
+
+# ------------------------------------------------------------------------- no space
+
+
+def test_a_full_disk_fails_the_write_and_loses_nothing_acknowledged(tmp_path: Path) -> None:
+    lines = child("fill", str(tmp_path), str(256 * 1024))
+    acked = {int(line.split()[1]) for line in lines if line.startswith("ack ")}
+    errors = [line for line in lines if line.startswith("error ")]
+    assert len(acked) > 50, lines[-5:]
+    assert len(errors) == 1 and errors[0].startswith("error DiskFull"), errors
+    assert "File too large" in errors[0] and str(tmp_path) in errors[0]
+    # after the failure the store refuses writes, with the same type
+    again = [line for line in lines if line.startswith("again ")]
+    assert again and again[0].startswith("again DiskFull"), again
+    with open_store(tmp_path, epoch=2) as store:
+        logged = {b: records for _s, b, _e, records in store.log_batches()}
+        assert acked <= set(logged)
+        for k, records in logged.items():  # whole, or not there at all
+            assert [r["t"] for r in records] == ["job", "pos"]
+            job = store.job_by_key(k)
+            assert job is not None and job.position is not None
+        assert store.counts.jobs == len(logged)
+        assert store.write([created(10**6, epoch=2)])  # and it works again
+
+
+def test_no_space_at_open_is_disk_full(tmp_path: Path) -> None:
+    lines = child("open-capped", str(tmp_path / "new"), "2048")
+    assert lines and lines[0].startswith("error DiskFull"), lines
+
+
+def test_disk_errors_are_store_failures() -> None:
+    for cls in (DiskFull, ReadOnly, Corrupt):
+        assert issubclass(cls, StoreFailure) and issubclass(cls, StoreError)
+
+
+# ------------------------------------------------------------------------- read-only
+
+
+@pytest.fixture
+def shared_dir() -> Iterator[Path]:
+    """A directory an unprivileged uid can reach (pytest's tmp dirs are private to root)."""
+    path = Path(tempfile.mkdtemp(prefix="tickwheel-ro-"))
+    path.chmod(0o755)
+    try:
+        yield path
+    finally:
+        for root, _dirs, files in os.walk(path):
+            os.chmod(root, 0o755)
+            for name in files:
+                os.chmod(os.path.join(root, name), 0o644)
+        shutil.rmtree(path)
+
+
+def make_read_only(path: Path) -> None:
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            os.chmod(os.path.join(root, name), stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
+        os.chmod(root, 0o555)
+
+
+def test_a_read_only_directory_is_read_only(shared_dir: Path) -> None:
+    data = shared_dir / "shard-0"
+    with open_store(data, epoch=1) as store:
+        store.write([created(0)])
+    make_read_only(shared_dir)
+    lines = child("open-as-nobody", str(data))
+    assert lines and lines[0].startswith("error ReadOnly"), lines
+    assert "Permission denied" in lines[0] and str(data) in lines[0]
+
+
+def test_a_shard_directory_that_cannot_be_created_is_read_only(shared_dir: Path) -> None:
+    make_read_only(shared_dir)
+    lines = child("open-as-nobody", str(shared_dir / "new-shard"))
+    assert lines and lines[0].startswith("error ReadOnly"), lines
+
+
+# ------------------------------------------------------------------------- corrupt files
+
+
+def flip(path: Path, at: float = 0.5, length: int = 16) -> None:
+    data = bytearray(path.read_bytes())
+    start = max(0, min(len(data) - length, int(len(data) * at)))
+    for i in range(start, min(len(data), start + length)):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def written_store(path: Path, n: int = 200) -> None:
+    with open_store(path, epoch=1) as store:
+        store.write([created(k) for k in range(n)])
+
+
+def test_a_corrupt_current_file(tmp_path: Path) -> None:
+    written_store(tmp_path)
+    (tmp_path / "CURRENT").write_text("MANIFEST-999999\n")
+    with pytest.raises(Corrupt) as info:
+        open_store(tmp_path, epoch=2)
+    assert "MANIFEST-999999" in str(info.value) and str(tmp_path) in str(info.value)
+
+
+def test_a_corrupt_manifest(tmp_path: Path) -> None:
+    written_store(tmp_path)
+    (manifest,) = tmp_path.glob("MANIFEST-*")
+    flip(manifest, 0.3)
+    with pytest.raises(Corrupt, match="MANIFEST"):
+        open_store(tmp_path, epoch=2)
+
+
+def test_corrupt_tables_fail_reads_with_a_typed_error(tmp_path: Path) -> None:
+    written_store(tmp_path)  # close flushes everything into tables
+    tables = sorted(tmp_path.glob("*.sst"))
+    assert tables
+    for table in tables:
+        flip(table, 0.1)
+    with pytest.raises(Corrupt, match="checksum"):
+        with open_store(tmp_path, epoch=2) as store:
+            list(store.load().tail)
+            for k in range(200):
+                store.job_by_key(k)
+
+
+def test_a_corrupt_snapshot_fails_recovery(tmp_path: Path) -> None:
+    with open_store(tmp_path, epoch=1) as store:
+        store.write([created(0)])
+        store.write_snapshot(1, {"next": np.arange(200_000, dtype=np.int64)}, {})
+    biggest = max(tmp_path.glob("*.sst"), key=lambda p: p.stat().st_size)
+    flip(biggest, 0.5)
+    # Caught wherever the damaged block is first read: finding the snapshot, or loading it.
+    with pytest.raises(Corrupt, match=r"checksum|snapshot"):
+        with open_store(tmp_path, epoch=2) as store:
+            store.load()
+
+
+def test_corruption_inside_the_log_refuses_to_open_instead_of_losing_batches(
+    tmp_path: Path,
+) -> None:
+    assert child("write-and-vanish", str(tmp_path), "100") == ["written"]
+    (log,) = [p for p in tmp_path.glob("*.log") if p.stat().st_size > 0]
+    flip(log, 0.4)
+    with pytest.raises(Corrupt):
+        open_store(tmp_path, epoch=2)
+
+
+def test_a_torn_tail_of_the_log_is_a_batch_never_acknowledged(tmp_path: Path) -> None:
+    assert child("write-and-vanish", str(tmp_path), "100") == ["written"]
+    (log,) = [p for p in tmp_path.glob("*.log") if p.stat().st_size > 0]
+    os.truncate(log, log.stat().st_size - 7)  # the last write, cut short by a power loss
+    with open_store(tmp_path, epoch=2) as store:
+        keys = [b for _s, b, _e, _r in store.log_batches()]
+        assert keys == list(range(99))  # the torn batch is gone, whole; the rest is there
+        assert store.key_of("job-98") == 98 and store.key_of("job-99") is None
