@@ -274,7 +274,9 @@ class ShardEngine:
         self._profiles: list[_Profile] = []
         self._profile_ids: dict[tuple[Any, ...], int] = {}
         self._held_next: dict[int, int | None] = {}  # next fire of a paused job
-        self._active: dict[int, set[int]] = {}  # key -> times of its runs not final
+        # key -> the times of its runs not final: one int for the usual single run (a set
+        # costs 216 bytes), a set for two or more.
+        self._active: dict[int, int | set[int]] = {}
         self._buffered: dict[int, int] = {}  # overlap=buffer_one: key -> time of the waiting run
         # Jobs whose latest record is not durable yet, which the directory cannot answer for:
         # key -> (batch, version, stored spec), id -> (batch, key), in emission order.
@@ -572,12 +574,19 @@ class ShardEngine:
                 f"batch {batch_id} was never handed out (last {self._batch})", field="batch_id"
             )
         self._forget_recent(batch_id)
+        runs, wall, pending = self._runs, self._wall, RunState.PENDING
         for b in range(self._durable + 1, batch_id + 1):
-            self._out.extend(self._still_valid(self._held.pop(b, [])))
+            held = self._held.pop(b, None)
+            if held:
+                self._out.extend(self._still_valid(held))
             for ref in self._held_ready.pop(b, ()):
-                run = self._runs.get(ref)
-                if run is not None and run.state is RunState.PENDING and self._due_now(run):
-                    self._enqueue(run)
+                run = runs.get(ref)
+                if (
+                    run is not None
+                    and run.state is pending
+                    and (run.due is None or run.due <= wall)
+                ):
+                    self._enqueue(run, ref)
         self._durable = max(self._durable, batch_id)
         self._dispatch_all()
 
@@ -698,6 +707,37 @@ class ShardEngine:
             raise JobNotFound(f"no job {job_id!r}", field="id")
         return key
 
+    def _times(self, key: int) -> tuple[int, ...] | set[int]:
+        """The times of job ``key``'s runs not final."""
+        times = self._active.get(key)
+        if times is None:
+            return ()
+        return (times,) if isinstance(times, int) else times
+
+    def _add_time(self, key: int, at: int) -> None:
+        times = self._active.get(key)
+        if times is None:
+            self._active[key] = at
+        elif isinstance(times, int):
+            if times != at:
+                self._active[key] = {times, at}
+        else:
+            times.add(at)
+
+    def _drop_time(self, key: int, at: int) -> None:
+        times = self._active.get(key)
+        if times is None:
+            return
+        if isinstance(times, int):
+            if times == at:
+                del self._active[key]
+        else:
+            times.discard(at)
+            if len(times) == 1:
+                self._active[key] = next(iter(times))
+            elif not times:
+                del self._active[key]
+
     def _run_job_id(self, run: _Run) -> str:
         if run.job_id is None:
             spec = run.pinned or self._stored_spec(run.key, self._ver[run.key])
@@ -785,7 +825,7 @@ class ShardEngine:
             if ref not in self._runs:
                 pid = self._prof[key]
                 self._runs[ref] = _Run(key, at, version, pid, self._profiles[pid].policy)
-                self._active.setdefault(key, set()).add(at)
+                self._add_time(key, at)
             self._flags[key] &= ~_LATE_PAUSED
             self._set_next(key, nxt)
 
@@ -816,22 +856,15 @@ class ShardEngine:
                 run.pinned = r["spec"]
             if run.source is not None:
                 self._remember_source(run.source, ref)
-        active = self._active.get(key)
         if state._value_ in FINAL_VALUES:
-            if active is not None:
-                active.discard(at)
-                if not active:
-                    del self._active[key]
+            self._drop_time(key, at)
             if self._buffered.get(key) == at:
                 del self._buffered[key]
             if not recovering:
                 return  # the live path releases the run itself (timers, queues)
             del self._runs[ref]
         else:
-            if active is None:
-                self._active[key] = {at}
-            else:
-                active.add(at)
+            self._add_time(key, at)
             if r.get("buf"):
                 self._buffered[key] = at
             elif self._buffered.get(key) == at:
@@ -935,7 +968,7 @@ class ShardEngine:
         old_version = self._ver[key]
         old_after = self._profile(key).after
         # Runs of the old version keep executing it: pin its spec on them before it is replaced.
-        to_pin = [self._runs[(key, at)] for at in sorted(self._active.get(key, ()))]
+        to_pin = [self._runs[(key, at)] for at in sorted(self._times(key))]
         old_spec = self._stored_spec(key, old_version) if to_pin else None
         self._unarm(key)
         self._emit_job(key, old_version + 1, cmd.spec)
@@ -963,7 +996,7 @@ class ShardEngine:
         self._flags[key] |= _GONE
         self._held_next.pop(key, None)
         self._persist_pos(key)
-        for at in sorted(self._active.get(key, ())):
+        for at in sorted(self._times(key)):
             run = self._runs[(key, at)]
             run.job_id = cmd.job_id
             if run.state is RunState.PENDING:
@@ -1006,7 +1039,7 @@ class ShardEngine:
             "version": self._ver[key],
             "next_fire_ms": None if paused else self._next_due(key),
             "paused": paused,
-            "active_runs": sorted(run_id(job_id, at) for at in self._active.get(key, ())),
+            "active_runs": sorted(run_id(job_id, at) for at in self._times(key)),
         }
 
     # =============================================================== firing
@@ -1057,9 +1090,11 @@ class ShardEngine:
             runs[ref] = _Run(key, due, version, pid, profile.policy)
             times = active.get(key)
             if times is None:
-                active[key] = {due}
+                active[key] = due
+            elif type(times) is int:
+                active[key] = {times, due}
             else:
-                times.add(due)
+                times.add(due)  # type: ignore[union-attr]
             if flags[key] & _LATE_PAUSED:
                 flags[key] &= ~_LATE_PAUSED
             if nxt is not None:
@@ -1174,7 +1209,7 @@ class ShardEngine:
         policy = self._profiles[pid].policy
         overlap = policy.overlap
         waiting = self._buffered.get(key)
-        active = self._active.get(key, ())
+        active = self._times(key)
         busy = sorted(t for t in active if t != waiting) if active else []
         buffered = False
         if busy and overlap == "skip":
@@ -1389,10 +1424,14 @@ class ShardEngine:
 
     # =============================================================== dispatch
 
-    def _enqueue(self, run: _Run) -> None:
+    def _enqueue(self, run: _Run, ref: RunRef | None = None) -> None:
         if not run.queued:
             run.queued = True
-            self._ready.setdefault(run.policy.tier, deque()).append(run.ref)
+            tier = run.policy.tier
+            queue = self._ready.get(tier)
+            if queue is None:
+                queue = self._ready[tier] = deque()
+            queue.append(ref or (run.key, run.at))
 
     def _due_now(self, run: _Run) -> bool:
         return run.due is None or run.due <= self._wall
@@ -1583,7 +1622,7 @@ class ShardEngine:
             self._free_slots.append(run.slot)
         key = run.key
         waiting = self._buffered.get(key)
-        if waiting is not None and not any(t != waiting for t in self._active.get(key, ())):
+        if waiting is not None and not any(t != waiting for t in self._times(key)):
             buffered = self._runs[(key, waiting)]
             del self._buffered[key]
             self._persist_run(buffered)  # no longer marked buffered
