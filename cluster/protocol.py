@@ -64,6 +64,7 @@ OPS: Final[dict[str, ArgSpec]] = {
         "token": (_INT, True),
         "stream": (_STR, True),
         "data": (_BYTES, True),
+        "attempt": (_INT, False),
     },
     "worker.finished": {
         "run_id": (_STR, True),

@@ -1,0 +1,358 @@
+"""The client library (Trio): jobs, runs and logs over the wire protocol, with typed errors.
+
+Owns one connection to a node: request ids, pipelining (any number of requests in flight, the
+replies matched by id), timeouts, reconnects with backoff, and the pushes a node sends a worker
+connection. Must never decide anything the node decides; it may only retry what is safe to
+retry (every request is idempotent by construction or reported as such, see :meth:`request`).
+
+Usage::
+
+    async with Client.connect("127.0.0.1", 7070) as client:
+        job = await client.create({"schedule": {"every": "1m"}, "task": {"shell": "date"}})
+        runs = await client.history(job["job_id"], last=5)
+
+Failure modes: :class:`RemoteError` (the node refused: ``code``, ``message``, ``field``),
+:class:`RequestTimeout`, :class:`ConnectionLost` (the connection broke and ``reconnect`` is
+off, or a reconnect did not succeed within the request's time).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import trio
+
+from cluster.codec import DEFAULT_MAX_FRAME, FrameDecoder, Message, ProtocolError, encode
+from engine.jobs import new_job_id
+
+DEFAULT_TIMEOUT_S = 30.0
+
+
+class ClientError(Exception):
+    """Root of the client's errors."""
+
+    code = "client_error"
+
+
+class RemoteError(ClientError):
+    """The node answered with an error: ``code`` (stable, from docs/protocol.md), ``message``,
+    and ``field`` (the argument or spec field at fault, when there is one)."""
+
+    def __init__(self, code: str, message: str, field: str | None = None) -> None:
+        super().__init__(f"{code}: {message}" + (f" (field {field})" if field else ""))
+        self.code = code
+        self.message = message
+        self.field = field
+
+
+class RequestTimeout(ClientError):
+    code = "timeout"
+
+
+class ConnectionLost(ClientError):
+    code = "connection_lost"
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` -> (host, port); raises :class:`ClientError` on anything else."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ClientError(f"not HOST:PORT: {text!r}")
+    return host, int(port)
+
+
+class Client:
+    """A connection to one node. Open with ``async with Client.connect(host, port) as client``. Safe to use from many tasks at once."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        reconnect: bool = True,
+        max_frame: int = DEFAULT_MAX_FRAME,
+    ) -> None:
+        self.host, self.port = host, port
+        self.timeout_s = timeout_s
+        self.reconnect = reconnect
+        self.max_frame = max_frame
+        self._next_id = 0
+        self._waiting: dict[int, tuple[trio.Event, list[Message]]] = {}
+        self._stream: trio.SocketStream | None = None
+        self._connected = trio.Event()
+        self._send_lock = trio.Lock()
+        self._nursery: trio.Nursery | None = None
+        self._closed = False
+        self.pushes_send, self.pushes = trio.open_memory_channel[Message](math.inf)
+        #: called (awaited) after every reconnect, before requests flow again: a worker says
+        #: hello again here
+        self.on_reconnect: Callable[[], Awaitable[None]] | None = None
+        self.generation = 0  # connections made so far
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @classmethod
+    @asynccontextmanager
+    async def connect(
+        cls,
+        host: str,
+        port: int,
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        reconnect: bool = True,
+    ) -> AsyncIterator[Client]:
+        """Connect (retrying with backoff for up to ``timeout_s``), serve the connection for
+        the ``async with`` block, then close it. Raises :class:`ConnectionLost` when no
+        connection could be made in time."""
+        client = cls(host, port, timeout_s=timeout_s, reconnect=reconnect)
+        async with trio.open_nursery() as nursery:
+            client._nursery = nursery
+            try:
+                with trio.fail_after(timeout_s):
+                    await client._open()
+            except trio.TooSlowError:
+                raise ConnectionLost(f"cannot connect to {host}:{port}") from None
+            try:
+                yield client
+            finally:
+                await client.aclose()
+
+    async def aclose(self) -> None:
+        """Close the connection; requests still waiting fail with :class:`ConnectionLost`."""
+        self._closed = True
+        if self._stream is not None:
+            with trio.move_on_after(1) as scope:
+                scope.shield = True
+                await self._stream.aclose()
+        self._fail_waiting(ConnectionLost("client closed"))
+        if self._nursery is not None:
+            self._nursery.cancel_scope.cancel()
+
+    async def _open(self) -> None:
+        delay = 0.05
+        while True:
+            try:
+                stream = await trio.open_tcp_stream(self.host, self.port)
+                break
+            except OSError:
+                await trio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+        self._stream = stream
+        self.generation += 1
+        assert self._nursery is not None
+        self._nursery.start_soon(self._reader, stream)
+        self._connected.set()
+
+    async def _reader(self, stream: trio.SocketStream) -> None:
+        decoder = FrameDecoder(self.max_frame)
+        try:
+            while True:
+                data = await stream.receive_some(256 * 1024)
+                if not data:
+                    break
+                decoder.feed(data)
+                while (event := decoder.next_event()) is not None:
+                    if isinstance(event, ProtocolError):
+                        continue  # the node sent something unreadable; skip that frame
+                    if "push" in event:
+                        self.pushes_send.send_nowait(event)
+                        continue
+                    waiter = self._waiting.pop(event.get("id", -1), None)
+                    if waiter is not None:
+                        waiter[1].append(event)
+                        waiter[0].set()
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass
+        if self._stream is stream:
+            self._stream = None
+            self._connected = trio.Event()
+            self._fail_waiting(ConnectionLost(f"connection to {self.host}:{self.port} lost"))
+            if self.reconnect and not self._closed:
+                assert self._nursery is not None
+                self._nursery.start_soon(self._reconnect)
+
+    async def _reconnect(self) -> None:
+        await self._open()
+        if self.on_reconnect is not None:
+            await self.on_reconnect()
+
+    def _fail_waiting(self, error: ClientError) -> None:
+        waiting, self._waiting = self._waiting, {}
+        for event, box in waiting.values():
+            box.append({"_lost": str(error)})
+            event.set()
+
+    # ------------------------------------------------------------------ requests
+
+    async def request(
+        self, op: str, args: dict[str, Any] | None = None, *, timeout_s: float | None = None
+    ) -> Any:
+        """Send ``op`` and wait for its result.
+
+        A broken connection is retried (after the reconnect) until the timeout: every op of
+        the protocol is safe to repeat (creates carry their id; a repeated create that finds
+        its job is reported by :meth:`create` as the job). Raises :class:`RemoteError`,
+        :class:`RequestTimeout`, :class:`ConnectionLost`.
+        """
+        deadline = trio.current_time() + (timeout_s or self.timeout_s)
+        while True:
+            try:
+                with trio.fail_at(deadline):
+                    return await self._request_once(op, args or {})
+            except trio.TooSlowError:
+                raise RequestTimeout(
+                    f"{op}: no reply within {timeout_s or self.timeout_s} s"
+                ) from None
+            except ConnectionLost:
+                if not self.reconnect or self._closed:
+                    raise
+                if trio.current_time() >= deadline:
+                    raise
+                await trio.sleep(0.05)
+
+    async def _request_once(self, op: str, args: dict[str, Any]) -> Any:
+        await self._connected.wait()
+        stream = self._stream
+        if stream is None:
+            raise ConnectionLost("not connected")
+        self._next_id += 1
+        request_id = self._next_id
+        event, box = trio.Event(), list[Message]()
+        self._waiting[request_id] = (event, box)
+        try:
+            frame = encode({"id": request_id, "op": op, "args": args})
+        except ProtocolError as exc:
+            self._waiting.pop(request_id, None)
+            raise ClientError(exc.message) from None
+        try:
+            async with self._send_lock:
+                await stream.send_all(frame)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            self._waiting.pop(request_id, None)
+            raise ConnectionLost("connection lost while sending") from None
+        try:
+            await event.wait()
+        finally:
+            self._waiting.pop(request_id, None)
+        reply = box[0]
+        if "_lost" in reply:
+            raise ConnectionLost(reply["_lost"])
+        if reply.get("ok"):
+            return reply.get("result")
+        err = reply.get("error") or {}
+        raise RemoteError(
+            str(err.get("code", "error")), str(err.get("message", "")), err.get("field")
+        )
+
+    # ------------------------------------------------------------------ jobs
+
+    async def create(self, spec: dict[str, Any]) -> dict[str, Any]:
+        """Create a job. Without an ``id``, one is generated here (time-sortable), so that a
+        retry after a lost reply cannot create the job twice."""
+        if "id" not in spec:
+            spec = {**spec, "id": new_job_id(int(time.time() * 1000), os.urandom(10))}
+        try:
+            result: dict[str, Any] = await self.request("job.create", {"spec": spec})
+        except RemoteError as exc:
+            if exc.code == "exists" and self.generation > 1:
+                return await self.get(spec["id"])  # our own create, whose reply was lost
+            raise
+        return result
+
+    async def create_many(self, specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Create jobs in one request; per spec ``{"ok", "result"}`` or ``{"ok", "error"}``."""
+        now = int(time.time() * 1000)
+        specs = [s if "id" in s else {**s, "id": new_job_id(now, os.urandom(10))} for s in specs]
+        result = await self.request("job.create_many", {"specs": specs})
+        return list(result["results"])
+
+    async def update(self, job_id: str, changes: dict[str, Any]) -> dict[str, Any]:
+        result: dict[str, Any] = await self.request(
+            "job.update", {"id": job_id, "changes": changes}
+        )
+        return result
+
+    async def cancel(self, job_id: str, *, stop_running: bool = False) -> dict[str, Any]:
+        result: dict[str, Any] = await self.request(
+            "job.cancel", {"id": job_id, "stop_running": stop_running}
+        )
+        return result
+
+    async def pause(self, job_id: str) -> dict[str, Any]:
+        result: dict[str, Any] = await self.request("job.pause", {"id": job_id})
+        return result
+
+    async def resume(self, job_id: str) -> dict[str, Any]:
+        result: dict[str, Any] = await self.request("job.resume", {"id": job_id})
+        return result
+
+    async def get(self, job_id: str) -> dict[str, Any]:
+        result: dict[str, Any] = await self.request("job.get", {"id": job_id})
+        return result
+
+    async def list_jobs(self, *, page: int = 100) -> AsyncIterator[dict[str, Any]]:
+        """Every job, page by page."""
+        args: dict[str, Any] = {"limit": page}
+        while True:
+            result = await self.request("job.list", args)
+            for job in result["jobs"]:
+                yield job
+            if not result["next"]:
+                return
+            args = {"limit": page, "after": result["next"]}
+
+    async def preview(
+        self,
+        *,
+        job_id: str | None = None,
+        schedule: dict[str, Any] | None = None,
+        count: int = 5,
+    ) -> dict[str, Any]:
+        args: dict[str, Any] = {"count": count}
+        if job_id is not None:
+            args["id"] = job_id
+        if schedule is not None:
+            args["schedule"] = schedule
+        result: dict[str, Any] = await self.request("job.preview", args)
+        return result
+
+    # ------------------------------------------------------------------ runs
+
+    async def run(self, run_id: str) -> dict[str, Any]:
+        result: dict[str, Any] = await self.request("run.get", {"run_id": run_id})
+        return result
+
+    async def history(self, job_id: str, *, last: int = 20) -> list[dict[str, Any]]:
+        result = await self.request("run.history", {"job_id": job_id, "last": last})
+        return list(result["runs"])
+
+    async def logs(self, run_id: str, *, offset: int = 0, limit: int = 256) -> dict[str, Any]:
+        """One page of a run's output: ``chunks``, ``cursor`` (the next page's offset),
+        ``at_end``, and the run's ``state``."""
+        result: dict[str, Any] = await self.request(
+            "run.logs", {"run_id": run_id, "offset": offset, "limit": limit}
+        )
+        return result
+
+    async def follow_logs(
+        self, run_id: str, *, poll_s: float = 0.2
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Every chunk of a run's output as it arrives, until the run is final and all its
+        output has been read."""
+        offset = 0
+        final = {"SUCCESS", "FAILED", "TIMED_OUT", "LOST", "SKIPPED", "CANCELLED"}
+        while True:
+            page = await self.logs(run_id, offset=offset)
+            for chunk in page["chunks"]:
+                yield chunk
+            offset = page["cursor"]
+            if page["at_end"]:
+                if page["state"] in final:
+                    return
+                await trio.sleep(poll_s)

@@ -1,0 +1,944 @@
+"""The node: every shard of a data directory on the embedded default, served over TCP with Trio.
+
+Owns the plumbing between sockets, shard engines and shard stores, and nothing that decides:
+each shard's loop feeds its :class:`~engine.shard.ShardEngine` commands and the time and routes
+the effects that come out (batches to the group committer, replies to the connection that
+asked, dispatches and kills to worker connections, cross-shard triggers to the target shard);
+queries (a job's spec, run history, logs) are read from the store. Must never decide anything
+the engine decides (when to fire, what to persist first, who gets a run, what a timeout does):
+the simulation cannot reach this module.
+
+Layout of a data directory: ``cluster.json`` (format, shard count, the embedded lease's epoch)
+and one RocksDB directory per shard, ``shard-NNN``. The embedded default owns every shard and
+bumps the epoch at each start (DESIGN.md, "Cluster"): records, claims and dispatches of an
+older incarnation are fenced.
+
+Failure modes: a store failure (disk full, read-only, corrupt) stops that shard: its commands
+are answered with the store's typed error, nothing is acknowledged that is not durable. A bad
+connection (malformed frames, wrong types, oversized payloads) gets typed errors and never
+harms the others.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import signal
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from cluster.codec import DEFAULT_MAX_FRAME, FrameDecoder, Message, ProtocolError, encode
+from cluster.protocol import MAX_LIMIT, BadArgs, Request, error, ok, parse_request, push
+from engine.effects import (
+    CancelJob,
+    ClockJump,
+    Command,
+    CreateJob,
+    Dispatch,
+    Durable,
+    Effect,
+    GetJob,
+    Heartbeat,
+    Kill,
+    OutboxDelivered,
+    PauseJob,
+    Persist,
+    Pull,
+    Refused,
+    Register,
+    RegisterDependent,
+    Reply,
+    ReportFinished,
+    ReportStarted,
+    ResumeJob,
+    Trigger,
+    TriggerJob,
+    UpdateJob,
+    WorkerHello,
+)
+from engine.errors import EngineError, EngineUsageError, JobNotFound
+from engine.jobs import JobSpec, apply_update, new_job_id, validate_job, validate_job_id
+from engine.routing import shard_of
+from engine.runs import parse_run_id, run_id
+from engine.schedules import format_utc, preview
+from engine.shard import EngineConfig, ShardEngine
+from wal.commit import GroupCommitter, Ticket
+from wal.errors import StoreError
+from wal.store import ShardStore
+
+log = logging.getLogger("tickwheel.node")
+
+CLUSTER_FILE = "cluster.json"
+DEFAULT_SHARDS = 2
+#: requests one connection may have in flight before the node stops reading from it
+MAX_IN_FLIGHT = 1024
+#: a shard's log tail (records) after which the shard stores a snapshot
+SNAPSHOT_EVERY_RECORDS = 500_000
+
+
+class NodeError(Exception):
+    """The node cannot start or go on (a data directory of another shape, a store failure)."""
+
+
+def wall_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def mono_ms() -> int:
+    return time.monotonic_ns() // 1_000_000
+
+
+# =============================================================================== data directory
+
+
+def prepare_data_dir(data_dir: Path, shards: int | None) -> tuple[int, int]:
+    """Create or check ``data_dir``; bump the embedded lease's epoch. Returns (shards, epoch).
+
+    The shard count is fixed when the directory is created; another count is refused. The new
+    epoch is durable (written, fsynced, renamed) before any store opens with it.
+    """
+    data_dir.mkdir(parents=True, exist_ok=True)
+    path = data_dir / CLUSTER_FILE
+    if path.exists():
+        try:
+            meta = json.loads(path.read_text())
+            stored_shards, epoch = int(meta["shards"]), int(meta["epoch"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise NodeError(f"{path} is unreadable: {exc}") from None
+        if shards is not None and shards != stored_shards:
+            raise NodeError(
+                f"{data_dir} was created with {stored_shards} shards; --shards {shards} is "
+                "refused (the shard count of a data directory is fixed)"
+            )
+        shards = stored_shards
+    else:
+        if any(data_dir.iterdir()):
+            raise NodeError(f"{data_dir} is not empty and has no {CLUSTER_FILE}")
+        shards = DEFAULT_SHARDS if shards is None else shards
+        if not 1 <= shards <= 1024:
+            raise NodeError(f"--shards must be in 1..1024, got {shards}")
+        epoch = 0
+    epoch += 1
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w") as f:
+        json.dump({"format": 1, "shards": shards, "epoch": epoch}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(data_dir, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return shards, epoch
+
+
+# =============================================================================== one shard
+
+
+class _Slot:
+    """Where a command's reply lands (or the store failure that stopped the shard)."""
+
+    __slots__ = ("event", "failure", "reply")
+
+    def __init__(self) -> None:
+        self.event = trio.Event()
+        self.reply: Reply | None = None
+        self.failure: StoreError | None = None
+
+
+@dataclass
+class ShardHost:
+    """One shard: its engine, store and group committer, and the loop that drives them."""
+
+    index: int
+    node: Node
+    store: ShardStore
+    engine: ShardEngine
+    committer: GroupCommitter
+    token: trio.lowlevel.TrioToken
+    inbox_send: trio.MemorySendChannel[Command] = field(init=False)
+    inbox_recv: trio.MemoryReceiveChannel[Command] = field(init=False)
+    slots: dict[int, _Slot] = field(default_factory=dict)
+    next_request: int = 0
+    failed: StoreError | None = None
+    initial: list[Effect] = field(default_factory=list)  # the effects of opening the shard
+    since_snapshot: int = 0
+    snapshot_pending: bool = False
+    batch_seq: dict[int, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.inbox_send, self.inbox_recv = trio.open_memory_channel(math.inf)
+
+    # ------------------------------------------------------------------ commands in
+
+    async def request(self, make: Callable[[int], Command]) -> Reply:
+        """Send the command ``make(request_id)`` and wait for its reply (which the engine
+        sends only once what it changed is durable)."""
+        if self.failed is not None:
+            raise self.failed
+        self.next_request += 1
+        request_id = self.next_request
+        slot = self._slot(request_id)
+        self.inbox_send.send_nowait(make(request_id))
+        await slot.event.wait()
+        if slot.failure is not None:
+            raise slot.failure
+        assert slot.reply is not None
+        return slot.reply
+
+    def _slot(self, request_id: int) -> _Slot:
+        slot = self.slots[request_id] = _Slot()
+        return slot
+
+    def tell(self, command: Command) -> None:
+        """A command without a reply (a worker's report, a pull, a durable-acknowledgement)."""
+        if self.failed is None:
+            self.inbox_send.send_nowait(command)
+
+    # ------------------------------------------------------------------ the loop
+
+    async def loop(self) -> None:
+        engine = self.engine
+        self.route(self.initial)
+        self.initial = []
+        while True:
+            wake = engine.next_wakeup_mono()
+            timeout = math.inf if wake is None else max(0.0, (wake - mono_ms()) / 1000)
+            batch: list[Command] = []
+            with trio.move_on_after(timeout):
+                batch.append(await self.inbox_recv.receive())
+            while len(batch) < 1024:
+                try:
+                    batch.append(self.inbox_recv.receive_nowait())
+                except trio.WouldBlock:
+                    break
+            if not batch:
+                self.route(engine.tick(wall_ms(), mono_ms()))
+            for command in batch:
+                try:
+                    self.route(engine.handle(command, wall_ms(), mono_ms()))
+                except EngineError:
+                    log.exception("shard %d: engine refused %r", self.index, command)
+            if self.since_snapshot >= SNAPSHOT_EVERY_RECORDS and not self.snapshot_pending:
+                self._start_snapshot()
+            await trio.lowlevel.checkpoint()
+
+    def route(self, effects: Iterable[Effect]) -> None:
+        node = self.node
+        for effect in effects:
+            if isinstance(effect, Persist):
+                self._persist(effect)
+            elif isinstance(effect, Reply):
+                slot = self.slots.pop(effect.request_id, None)
+                if slot is not None:
+                    slot.reply = effect
+                    slot.event.set()
+            elif isinstance(effect, Dispatch):
+                node.dispatch(self.index, effect)
+            elif isinstance(effect, Kill):
+                node.kill(effect)
+            elif isinstance(effect, Refused):
+                node.refused(effect)
+            elif isinstance(effect, Trigger):
+                node.nursery.start_soon(self._deliver_trigger, effect)
+            elif isinstance(effect, Register):
+                node.nursery.start_soon(self._deliver_register, effect)
+            elif isinstance(effect, ClockJump):
+                log.warning(
+                    "shard %d: wall clock %s jumped ahead; the engine keeps %s",
+                    self.index,
+                    format_utc(effect.wall_ms),
+                    format_utc(effect.engine_ms),
+                )
+
+    def _persist(self, batch: Persist) -> None:
+        if self.failed is not None:
+            return
+        try:
+            self.committer.submit(batch, callback=self._on_committed)
+        except StoreError as exc:
+            self._fail(exc)
+            return
+        self.since_snapshot += len(batch.records)
+
+    def _on_committed(self, ticket: Ticket) -> None:
+        # On the writer thread: hop to Trio without blocking the writer.
+        try:
+            self.token.run_sync_soon(self._committed, ticket)
+        except trio.RunFinishedError:
+            pass
+
+    def _committed(self, ticket: Ticket) -> None:
+        if ticket.error is not None:
+            self._fail(ticket.error)
+            return
+        assert ticket.seq is not None
+        self.batch_seq[ticket.batch_id] = ticket.seq
+        self.tell(Durable(ticket.batch_id))
+
+    def _fail(self, exc: StoreError) -> None:
+        """A store failure stops the shard: nothing more is acknowledged."""
+        if self.failed is None:
+            log.error("shard %d stops: %s", self.index, exc)
+            self.failed = exc
+            for slot in self.slots.values():
+                slot.failure = exc
+                slot.event.set()
+            self.slots.clear()
+
+    # ------------------------------------------------------------------ snapshots
+
+    def _start_snapshot(self) -> None:
+        snap = self.engine.export_snapshot()
+        self.snapshot_pending = True
+        self.since_snapshot = 0
+        self.node.nursery.start_soon(self._write_snapshot, snap)
+
+    async def _write_snapshot(self, snap: Any) -> None:
+        batch = snap.meta["batch"]
+        try:
+            while batch not in self.batch_seq and self.failed is None:
+                await trio.sleep(0.01)  # the batch it reflects is not durable yet
+            if self.failed is None:
+                seq = self.batch_seq[batch]
+                await trio.to_thread.run_sync(
+                    self.store.write_snapshot, seq, snap.arrays, snap.meta
+                )
+                self.batch_seq = {b: s for b, s in self.batch_seq.items() if b > batch}
+        except StoreError as exc:
+            log.warning("shard %d: snapshot not stored: %s", self.index, exc)
+        finally:
+            self.snapshot_pending = False
+
+    async def final_snapshot(self) -> None:
+        """At a clean stop: a snapshot of everything, so the next start replays nothing."""
+        if self.failed is None and self.since_snapshot:
+            await self._write_snapshot(self.engine.export_snapshot())
+
+    # ------------------------------------------------------------------ outbox delivery
+
+    async def _deliver_trigger(self, trigger: Trigger) -> None:
+        target = self.node.host_of(trigger.job_id)
+        reply = await self._until_answered(
+            target, lambda rid: TriggerJob(rid, trigger.job_id, trigger.source_run_id)
+        )
+        if reply.error is not None and not isinstance(reply.error, JobNotFound):
+            log.warning("trigger of %s: %s", trigger.job_id, reply.error)
+        self.tell(OutboxDelivered(trigger.seq))
+
+    async def _deliver_register(self, reg: Register) -> None:
+        target = self.node.host_of(reg.upstream)
+        await self._until_answered(
+            target, lambda rid: RegisterDependent(rid, reg.upstream, reg.downstream, reg.on)
+        )
+        self.tell(OutboxDelivered(reg.seq))
+
+    @staticmethod
+    async def _until_answered(target: ShardHost, make: Callable[[int], Command]) -> Reply:
+        delay = 0.05
+        while True:
+            try:
+                return await target.request(make)
+            except StoreError:
+                await trio.sleep(delay)  # the target shard is down; the outbox keeps it
+                delay = min(delay * 2, 5.0)
+
+
+# =============================================================================== connections
+
+
+class Connection:
+    """One client or worker connection: a reader task, a writer task, requests in between."""
+
+    def __init__(self, node: Node, stream: trio.abc.Stream) -> None:
+        self.node = node
+        self.stream = stream
+        self.decoder = FrameDecoder(node.max_frame)
+        self.out_send, self.out_recv = trio.open_memory_channel[bytes](math.inf)
+        self.limiter = trio.Semaphore(MAX_IN_FLIGHT)
+        self.worker: WorkerSession | None = None
+        self.closed = False
+
+    async def serve(self) -> None:
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._writer)
+                await self._reader(nursery)
+                nursery.cancel_scope.cancel()
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        finally:
+            self.closed = True
+            if self.worker is not None and self.node.workers.get(self.worker.worker_id) is (
+                self.worker
+            ):
+                del self.node.workers[self.worker.worker_id]  # its lease lapses in the engines
+            with trio.move_on_after(1) as scope:
+                scope.shield = True
+                await self.stream.aclose()
+
+    def send(self, message: Message) -> None:
+        if not self.closed:
+            try:
+                self.out_send.send_nowait(encode(message))
+            except ProtocolError as exc:
+                log.error("cannot encode a reply: %s", exc)
+
+    async def _writer(self) -> None:
+        while True:
+            chunks = [await self.out_recv.receive()]
+            size = len(chunks[0])
+            while size < 256 * 1024:
+                try:
+                    chunk = self.out_recv.receive_nowait()
+                except trio.WouldBlock:
+                    break
+                chunks.append(chunk)
+                size += len(chunk)
+            await self.stream.send_all(b"".join(chunks))
+
+    async def _reader(self, nursery: trio.Nursery) -> None:
+        while True:
+            data = await self.stream.receive_some(256 * 1024)
+            if not data:
+                return
+            self.decoder.feed(data)
+            while (event := self.decoder.next_event()) is not None:
+                if isinstance(event, ProtocolError):
+                    self.send(error(event.request_id, event.code, event.message))
+                    continue
+                try:
+                    request = parse_request(event)
+                except BadArgs as exc:
+                    self.send(error(exc.request_id, exc.code, exc.message, exc.field))
+                    continue
+                except ProtocolError as exc:
+                    self.send(error(exc.request_id, exc.code, exc.message))
+                    continue
+                await self.limiter.acquire()
+                nursery.start_soon(self._handle, request)
+
+    async def _handle(self, request: Request) -> None:
+        try:
+            result = await self.node.execute(self, request)
+            self.send(ok(request.id, result))
+        except EngineError as exc:
+            self.send(error(request.id, exc.code, str(exc), exc.field))
+        except StoreError as exc:
+            self.send(error(request.id, exc.code, str(exc)))
+        except BadArgs as exc:
+            self.send(error(request.id, exc.code, exc.message, exc.field))
+        except ProtocolError as exc:
+            self.send(error(request.id, exc.code, exc.message))
+        except Exception as exc:  # a bug: the connection and the node carry on
+            log.exception("request %s failed", request.op)
+            self.send(error(request.id, "internal", f"internal error: {type(exc).__name__}"))
+        finally:
+            self.limiter.release()
+
+
+@dataclass
+class WorkerSession:
+    """A connected worker as the node sees it: its tiers and free slots, over every shard."""
+
+    worker_id: str
+    tiers: tuple[str, ...]
+    free: int
+    conn: Connection
+
+
+# =============================================================================== the node
+
+
+class Node:
+    """Every shard of ``data_dir``, served on ``host:port``."""
+
+    def __init__(
+        self,
+        data_dir: str | os.PathLike[str],
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        shards: int | None = None,
+        config: EngineConfig | None = None,
+        max_frame: int = DEFAULT_MAX_FRAME,
+    ) -> None:
+        self.data_dir = Path(data_dir)
+        self.host = host
+        self.port = port
+        self.requested_shards = shards
+        self.config = config or EngineConfig()
+        self.max_frame = max_frame
+        self.hosts: list[ShardHost] = []
+        self.workers: dict[str, WorkerSession] = {}
+        self.nursery: trio.Nursery
+        self.shards = 0
+        self.epoch = 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def run(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+        """Open every shard, recover, serve until cancelled or SIGTERM/SIGINT; then finish the
+        batches in flight, store a snapshot per shard and close the stores. ``task_status``
+        gets the port actually listened on."""
+        self.shards, self.epoch = prepare_data_dir(self.data_dir, self.requested_shards)
+        token = trio.lowlevel.current_trio_token()
+        try:
+            for index in range(self.shards):
+                self.hosts.append(await trio.to_thread.run_sync(self._open_shard, index, token))
+            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async with trio.open_nursery() as nursery:
+                    self.nursery = nursery
+                    for host in self.hosts:
+                        nursery.start_soon(host.loop)
+                    listeners = await nursery.start(
+                        partial(trio.serve_tcp, self._serve_connection, self.port, host=self.host)
+                    )
+                    port = listeners[0].socket.getsockname()[1]
+                    log.info(
+                        "serving %d shards on %s:%d (epoch %d)",
+                        self.shards,
+                        self.host,
+                        port,
+                        self.epoch,
+                    )
+                    task_status.started(port)
+                    async for signum in signals:
+                        log.info("signal %d: stopping", signum)
+                        break
+                    nursery.cancel_scope.cancel()
+        finally:
+            with trio.CancelScope(shield=True):
+                await self._close()
+
+    def _open_shard(self, index: int, token: trio.lowlevel.TrioToken) -> ShardHost:
+        path = self.data_dir / f"shard-{index:03d}"
+        try:
+            store = ShardStore.open(path, shard=index, shards=self.shards, epoch=self.epoch)
+        except StoreError as exc:
+            raise NodeError(f"shard {index}: {exc}") from exc
+        recovered = store.load()
+        engine, effects = ShardEngine.recover(
+            recovered.tail,
+            snapshot=recovered.snapshot,
+            directory=store,
+            epoch=self.epoch,
+            wall_ms=wall_ms(),
+            mono_ms=mono_ms(),
+            config=self.config,
+        )
+        log.info(
+            "shard %d: epoch %d, %d pending jobs, %d runs in flight",
+            index,
+            self.epoch,
+            recovered.counts.pending_jobs,
+            recovered.counts.runs_in_flight,
+        )
+        host = ShardHost(index, self, store, engine, GroupCommitter(store), token)
+        host.initial = effects
+        return host
+
+    async def _close(self) -> None:
+        for host in self.hosts:
+            await trio.to_thread.run_sync(host.committer.close)
+            await host.final_snapshot()
+            await trio.to_thread.run_sync(host.store.close)
+
+    async def _serve_connection(self, stream: trio.SocketStream) -> None:
+        await Connection(self, stream).serve()
+
+    def host_of(self, job_id: str) -> ShardHost:
+        return self.hosts[shard_of(job_id, self.shards)]
+
+    # ------------------------------------------------------------------ effects to workers
+
+    def dispatch(self, shard: int, effect: Dispatch) -> None:
+        session = self.workers.get(effect.worker_id)
+        if session is None:
+            return  # gone: its lease lapses in the engine, which decides what follows
+        t = effect.run
+        session.conn.send(
+            push(
+                "dispatch",
+                run={
+                    "run_id": t.run_id,
+                    "job_id": t.job_id,
+                    "scheduled_ms": t.scheduled_ms,
+                    "attempt": t.attempt,
+                    "token": t.token,
+                    "version": t.version,
+                    "delivery": t.delivery,
+                    "tier": t.tier,
+                    "timeout_ms": t.timeout_ms,
+                    "task": t.task,
+                },
+            )
+        )
+        # The shard that dispatched counted the credit; the others learn the new free count.
+        session.free = max(0, session.free - 1)
+        for host in self.hosts:
+            if host.index != shard:
+                host.tell(Pull(session.worker_id, session.free))
+
+    def kill(self, effect: Kill) -> None:
+        session = self.workers.get(effect.worker_id)
+        if session is not None:
+            session.conn.send(
+                push("kill", run_id=effect.run_id, token=effect.token, reason=effect.reason)
+            )
+
+    def refused(self, effect: Refused) -> None:
+        session = self.workers.get(effect.worker_id)
+        if session is not None:
+            session.conn.send(push("refused", code=effect.error.code, message=str(effect.error)))
+
+    # ------------------------------------------------------------------ requests
+
+    async def execute(self, conn: Connection, req: Request) -> Any:
+        handler = _OPS.get(req.op)
+        if handler is None:
+            raise ProtocolError("unknown_op", f"unknown op {req.op!r}", req.id)
+        if req.op.startswith("worker.") and req.op != "worker.hello" and conn.worker is None:
+            raise ProtocolError("not_a_worker", "say worker.hello first", req.id)
+        return await handler(self, conn, req.args)
+
+    async def _ping(self, conn: Connection, args: dict[str, Any]) -> Any:
+        return {"shards": self.shards, "epoch": self.epoch, "time_ms": wall_ms()}
+
+    # ---- jobs
+
+    def _spec(self, raw: dict[str, Any]) -> JobSpec:
+        if "id" not in raw:
+            raw = {**raw, "id": new_job_id(wall_ms(), os.urandom(10))}
+        return validate_job(raw, now_ms=wall_ms())
+
+    async def _create(self, conn: Connection, args: dict[str, Any]) -> Any:
+        spec = self._spec(args["spec"])
+        reply = await self.host_of(spec.id).request(lambda rid: CreateJob(rid, spec))
+        return _job_result(_unwrap(reply))
+
+    async def _create_many(self, conn: Connection, args: dict[str, Any]) -> Any:
+        results: list[dict[str, Any] | None] = [None] * len(args["specs"])
+
+        async def one(i: int, raw: object) -> None:
+            try:
+                if not isinstance(raw, dict):
+                    raise BadArgs(f"specs[{i}]: must be a map", None, f"specs[{i}]")
+                spec = self._spec(raw)
+                reply = await self.host_of(spec.id).request(lambda rid: CreateJob(rid, spec))
+                results[i] = {"ok": True, "result": _job_result(_unwrap(reply))}
+            except EngineError as exc:
+                results[i] = {"ok": False, "error": _error_dict(exc.code, str(exc), exc.field)}
+            except BadArgs as exc:
+                results[i] = {"ok": False, "error": _error_dict(exc.code, exc.message, exc.field)}
+            except StoreError as exc:
+                results[i] = {"ok": False, "error": _error_dict(exc.code, str(exc), None)}
+
+        async with trio.open_nursery() as nursery:
+            for i, raw in enumerate(args["specs"]):
+                nursery.start_soon(one, i, raw)
+        return {"results": results}
+
+    async def _update(self, conn: Connection, args: dict[str, Any]) -> Any:
+        job_id = validate_job_id(args["id"])
+        host = self.host_of(job_id)
+        stored = host.store.job(job_id)
+        if stored is None:
+            raise JobNotFound(f"no job {job_id!r}", field="id")
+        current = validate_job(stored.spec, now_ms=wall_ms())
+        spec = apply_update(current, args["changes"], now_ms=wall_ms())
+        reply = await host.request(lambda rid: UpdateJob(rid, spec))
+        return _job_result(_unwrap(reply))
+
+    async def _cancel(self, conn: Connection, args: dict[str, Any]) -> Any:
+        job_id = validate_job_id(args["id"])
+        stop = bool(args.get("stop_running", False))
+        reply = await self.host_of(job_id).request(lambda rid: CancelJob(rid, job_id, stop))
+        return {"job_id": job_id, **_unwrap(reply)}
+
+    async def _pause(self, conn: Connection, args: dict[str, Any]) -> Any:
+        job_id = validate_job_id(args["id"])
+        reply = await self.host_of(job_id).request(lambda rid: PauseJob(rid, job_id))
+        return _job_result(_unwrap(reply))
+
+    async def _resume(self, conn: Connection, args: dict[str, Any]) -> Any:
+        job_id = validate_job_id(args["id"])
+        reply = await self.host_of(job_id).request(lambda rid: ResumeJob(rid, job_id))
+        return _job_result(_unwrap(reply))
+
+    async def _get(self, conn: Connection, args: dict[str, Any]) -> Any:
+        job_id = validate_job_id(args["id"])
+        host = self.host_of(job_id)
+        reply = await host.request(lambda rid: GetJob(rid, job_id))
+        result = _job_result(_unwrap(reply))
+        stored = host.store.job(job_id)
+        result["spec"] = stored.spec if stored is not None else None
+        return result
+
+    async def _list(self, conn: Connection, args: dict[str, Any]) -> Any:
+        limit = args.get("limit", 100)
+        shard, after = 0, None
+        if "after" in args:
+            try:
+                text_shard, text_key = args["after"].split(":")
+                shard, after = int(text_shard), int(text_key)
+            except ValueError:
+                raise BadArgs("after: not a cursor from job.list", None, "after") from None
+        jobs: list[dict[str, Any]] = []
+        cursor = None
+        while shard < self.shards and len(jobs) < limit:
+            page = self.hosts[shard].store.jobs(after=after, limit=limit - len(jobs))
+            for job in page:
+                jobs.append(_stored_job(job))
+                cursor = f"{shard}:{job.key}"
+            if len(page) < limit - len(jobs) + len(page):
+                shard, after = shard + 1, None
+        return {"jobs": jobs, "next": cursor if len(jobs) >= limit else None}
+
+    async def _preview(self, conn: Connection, args: dict[str, Any]) -> Any:
+        count = args.get("count", 5)
+        job_id = args.get("id")
+        if "schedule" in args:
+            schedule = args["schedule"]
+        elif job_id is not None:
+            stored = self.host_of(validate_job_id(job_id)).store.job(job_id)
+            if stored is None:
+                raise JobNotFound(f"no job {job_id!r}", field="id")
+            schedule = stored.spec["schedule"]
+        else:
+            raise BadArgs("give an id or a schedule", None, "schedule")
+        now = wall_ms()
+        return preview(schedule, count, now, job_id=job_id, created_ms=now).to_dict()
+
+    # ---- runs
+
+    def _run_where(self, rid: str) -> tuple[ShardHost, int, int, str]:
+        job_id, at = parse_run_id(rid)
+        host = self.host_of(job_id)
+        key = host.store.key_of(job_id)
+        if key is None:
+            raise JobNotFound(f"no job {job_id!r}", field="run_id")
+        return host, key, at, job_id
+
+    async def _run_get(self, conn: Connection, args: dict[str, Any]) -> Any:
+        host, key, at, job_id = self._run_where(args["run_id"])
+        record = host.store.run(key, at)
+        if record is None:
+            raise EngineUsageError(f"no run {args['run_id']!r}", field="run_id")
+        return _run_result(job_id, record)
+
+    async def _run_history(self, conn: Connection, args: dict[str, Any]) -> Any:
+        job_id = validate_job_id(args["job_id"])
+        host = self.host_of(job_id)
+        key = host.store.key_of(job_id)
+        if key is None:
+            raise JobNotFound(f"no job {job_id!r}", field="job_id")
+        runs = host.store.last_runs(key, args.get("last", 20))
+        return {"runs": [_run_result(job_id, r) for r in runs]}
+
+    async def _run_logs(self, conn: Connection, args: dict[str, Any]) -> Any:
+        host, key, at, _job_id = self._run_where(args["run_id"])
+        page = host.store.logs.read(
+            key, at, cursor=args.get("offset", 0), limit=args.get("limit", 256)
+        )
+        record = host.store.run(key, at)
+        return {
+            "chunks": [
+                {
+                    "seq": c.seq,
+                    "stream": c.stream,
+                    "attempt": c.attempt,
+                    "data": c.data,
+                    "dropped": c.dropped,
+                }
+                for c in page.chunks
+            ],
+            "cursor": page.cursor,
+            "at_end": page.at_end,
+            "state": None if record is None else record["state"],
+        }
+
+    # ---- workers
+
+    async def _hello(self, conn: Connection, args: dict[str, Any]) -> Any:
+        worker_id = args["worker_id"]
+        tiers = tuple(args["tiers"])
+        if not worker_id or not tiers or not all(isinstance(t, str) for t in tiers):
+            raise BadArgs("tiers: a list of tier names, and a worker id", None, "tiers")
+        slots = args["slots"]
+        if slots < 0:
+            raise BadArgs("slots: must be >= 0", None, "slots")
+        held = _held(args.get("held", []))
+        old = self.workers.get(worker_id)
+        if old is not None and old.conn is not conn:
+            old.conn.worker = None  # the worker reconnected: the old connection is not it
+        session = WorkerSession(worker_id, tiers, slots, conn)
+        conn.worker = session
+        self.workers[worker_id] = session
+        for host in self.hosts:
+            mine = tuple(
+                h for h in held if shard_of(h[0].rsplit("@", 1)[0], self.shards) == host.index
+            )
+            host.tell(WorkerHello(worker_id, tiers, slots, mine))
+        return {"lease_ms": self.config.worker_lease_ms, "shards": self.shards}
+
+    async def _heartbeat(self, conn: Connection, args: dict[str, Any]) -> Any:
+        session = conn.worker
+        assert session is not None
+        held = _held(args.get("held", []))
+        for host in self.hosts:
+            mine = tuple(
+                h for h in held if shard_of(h[0].rsplit("@", 1)[0], self.shards) == host.index
+            )
+            host.tell(Heartbeat(session.worker_id, mine))
+        return {"lease_ms": self.config.worker_lease_ms}
+
+    async def _pull(self, conn: Connection, args: dict[str, Any]) -> Any:
+        session = conn.worker
+        assert session is not None
+        credits = args["credits"]
+        if credits < 0:
+            raise BadArgs("credits: must be >= 0", None, "credits")
+        session.free = credits
+        for host in self.hosts:
+            host.tell(Pull(session.worker_id, credits))
+        return {}
+
+    async def _started(self, conn: Connection, args: dict[str, Any]) -> Any:
+        session = conn.worker
+        assert session is not None
+        rid = args["run_id"]
+        parse_run_id(rid)
+        self.host_of(rid.rsplit("@", 1)[0]).tell(
+            ReportStarted(session.worker_id, rid, args["token"])
+        )
+        return {}
+
+    async def _finished(self, conn: Connection, args: dict[str, Any]) -> Any:
+        session = conn.worker
+        assert session is not None
+        rid = args["run_id"]
+        parse_run_id(rid)
+        self.host_of(rid.rsplit("@", 1)[0]).tell(
+            ReportFinished(
+                session.worker_id, rid, args["token"], args["outcome"], args.get("exit_code")
+            )
+        )
+        return {}
+
+    async def _output(self, conn: Connection, args: dict[str, Any]) -> Any:
+        stream = args["stream"]
+        if stream not in ("stdout", "stderr"):
+            raise BadArgs("stream: must be stdout or stderr", None, "stream")
+        host, key, at, _job_id = self._run_where(args["run_id"])
+        # Output is kept per attempt, whatever the token: a superseded attempt's output is its
+        # own history (its reports never change the run's state; its output never mixes with
+        # another attempt's, since readers see the attempt of every chunk).
+        attempt = args.get("attempt", 1)
+        data = args["data"]
+        await trio.to_thread.run_sync(
+            lambda: host.store.logs.append(key, at, stream, data, attempt=attempt)
+        )
+        return {}
+
+
+_OPS: dict[str, Callable[[Node, Connection, dict[str, Any]], Any]] = {
+    "ping": Node._ping,
+    "job.create": Node._create,
+    "job.create_many": Node._create_many,
+    "job.update": Node._update,
+    "job.cancel": Node._cancel,
+    "job.pause": Node._pause,
+    "job.resume": Node._resume,
+    "job.get": Node._get,
+    "job.list": Node._list,
+    "job.preview": Node._preview,
+    "run.get": Node._run_get,
+    "run.history": Node._run_history,
+    "run.logs": Node._run_logs,
+    "worker.hello": Node._hello,
+    "worker.heartbeat": Node._heartbeat,
+    "worker.pull": Node._pull,
+    "worker.started": Node._started,
+    "worker.finished": Node._finished,
+    "worker.output": Node._output,
+}
+
+
+# =============================================================================== wire shapes
+
+
+def _unwrap(reply: Reply) -> dict[str, Any]:
+    if reply.error is not None:
+        raise reply.error
+    assert reply.result is not None
+    return reply.result
+
+
+def _error_dict(code: str, message: str, field: str | None) -> dict[str, Any]:
+    return {"code": code, "message": message, "field": field}
+
+
+def _job_result(described: dict[str, Any]) -> dict[str, Any]:
+    nxt = described.get("next_fire_ms")
+    return {
+        "job_id": described["id"],
+        "version": described.get("version"),
+        "next_fire_ms": nxt,
+        "next_fire": None if nxt is None else format_utc(nxt),
+        "paused": described.get("paused"),
+        "active_runs": described.get("active_runs", []),
+    }
+
+
+def _stored_job(job: Any) -> dict[str, Any]:
+    pos = job.position or {}
+    nxt = pos.get("next")
+    return {
+        "job_id": job.id,
+        "version": job.version,
+        "schedule": job.spec.get("schedule"),
+        "next_fire_ms": nxt,
+        "next_fire": None if nxt is None else format_utc(nxt),
+        "paused": bool(pos.get("paused")),
+        "cancelled": bool(pos.get("gone")),
+    }
+
+
+def _run_result(job_id: str, r: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "run_id": run_id(job_id, r["at"]),
+        "job_id": job_id,
+        "state": r["state"],
+        "scheduled_ms": r["at"],
+        "scheduled_at": format_utc(r["at"]),
+        "attempt": r["att"],
+        "token": r["tok"],
+        "worker": r["w"],
+        "exit_code": r["exit"],
+        "why": r["why"],
+        "version": r["ver"],
+    }
+
+
+def _held(raw: list[Any]) -> tuple[tuple[str, int], ...]:
+    out: list[tuple[str, int]] = []
+    for i, item in enumerate(raw[:MAX_LIMIT]):
+        if (
+            not isinstance(item, list)
+            or len(item) != 2
+            or not isinstance(item[0], str)
+            or not isinstance(item[1], int)
+        ):
+            raise BadArgs(f"held[{i}]: must be [run_id, token]", None, f"held[{i}]")
+        out.append((item[0], item[1]))
+    return tuple(out)
