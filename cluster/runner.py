@@ -352,9 +352,10 @@ def plan_launch(
 
     Environment, in increasing precedence: ``base_env`` (the worker's), the task's ``env``,
     then :func:`run_vars` (a task cannot fake its run id or fence); names in
-    :data:`RUN_VAR_NAMES` are taken from the ticket only, never inherited. A ``container`` task gets
-    only the task's ``env`` and the run variables inside the container; the runtime process
-    itself gets the whole environment. The runtime is looked up on ``base_env["PATH"]``.
+    :data:`RUN_VAR_NAMES` are taken from the ticket only, never inherited. A ``container`` task
+    gets only the task's ``env`` and the run variables inside the container; the runtime
+    process itself gets the whole environment. The runtime is looked up on
+    ``base_env["PATH"]``.
 
     Raises :class:`TaskNotRunnable` (payload, malformed task). Returns :class:`LaunchRefused`
     when no container runtime is found."""
@@ -395,14 +396,24 @@ def plan_launch(
     return Launch(tuple(argv), env, None, kind, runtime=runtime, container=name)
 
 
-def spawn_failure(err: OSError, program: str, cwd: str | None) -> tuple[int, str]:
+def spawn_failure(
+    err: OSError,
+    program: str,
+    cwd: str | None,
+    *,
+    exists: Callable[[str], bool] = os.path.exists,
+) -> tuple[int, str]:
     """The exit code and message for a process that could not be started: 127 when the program
     does not exist, 126 when it exists but cannot be executed (permissions, not a regular
-    executable, a bad interpreter line, a missing working directory)."""
+    executable, a ``#!`` interpreter that does not exist, a missing working directory).
+    ``exists`` tells a missing program from a missing interpreter, for a path with a ``/``."""
     reason = err.strerror or str(err)
     if cwd is not None and err.filename == cwd and err.filename != program:
         return _CANNOT_EXECUTE, f"cannot change to the working directory {cwd!r}: {reason}"
     if isinstance(err, FileNotFoundError):
+        if "/" in program and exists(program):
+            # execve says ENOENT for the interpreter of a script, not for the script.
+            return _CANNOT_EXECUTE, f"{program}: cannot execute (bad interpreter: {reason})"
         return _NOT_FOUND, f"{program}: command not found ({reason})"
     return _CANNOT_EXECUTE, f"{program}: cannot execute ({reason})"
 

@@ -341,6 +341,12 @@ class TestSpawnFailure:
         code, message = spawn_failure(err, "nope", None)
         assert code == 127 and "nope: command not found" in message
 
+    def test_a_script_whose_interpreter_is_missing(self) -> None:
+        err = FileNotFoundError(errno.ENOENT, "No such file or directory", "/opt/job.sh")
+        code, message = spawn_failure(err, "/opt/job.sh", None, exists=lambda p: True)
+        assert code == 126 and "bad interpreter" in message
+        assert spawn_failure(err, "/opt/job.sh", None, exists=lambda p: False)[0] == 127
+
     def test_not_executable(self) -> None:
         denied = PermissionError(errno.EACCES, "Permission denied", "/etc/passwd")
         assert spawn_failure(denied, "/etc/passwd", None)[0] == 126
@@ -679,6 +685,12 @@ class TestCannotStart:
         outcome, out = run(ticket({"command": [str(script)]}))
         assert (outcome.outcome, outcome.exit_code) == ("failed", 126)
         assert "cannot execute (Permission denied)" in out.text("stderr")
+
+    def test_missing_interpreter(self, tmp_path: Path) -> None:
+        script = executable(tmp_path / "script.sh", "#!/no/such/interpreter\necho hi\n")
+        outcome, out = run(ticket({"command": [str(script)]}))
+        assert (outcome.outcome, outcome.exit_code) == ("failed", 126)
+        assert "bad interpreter" in out.text("stderr")
 
     def test_missing_working_directory(self, tmp_path: Path) -> None:
         gone = str(tmp_path / "gone")
