@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -56,6 +57,63 @@ def build_parser() -> argparse.ArgumentParser:
             "--jobs", type=_positive_int, metavar="N", help="number of jobs (suites that use it)"
         )
 
+    from cluster import commands
+
+    serve = sub.add_parser("serve", help="run a node on a data directory (embedded default)")
+    serve.add_argument("--data", required=True, metavar="DIR", help="the data directory")
+    serve.add_argument("--port", type=int, default=7070, help="TCP port (0: any free port)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument(
+        "--shards", type=_positive_int, help="shard count of a new data directory (default 2)"
+    )
+
+    worker = sub.add_parser("worker", help="run a worker: pull runs from a node and run them")
+    worker.add_argument(
+        "--connect",
+        default=os.environ.get("TICKWHEEL_CONNECT", "127.0.0.1:7070"),
+        metavar="HOST:PORT",
+    )
+    worker.add_argument("--tier", action="append", metavar="NAME", help="repeatable")
+    worker.add_argument("--slots", type=_positive_int, default=4, help="tasks at once")
+    worker.add_argument("--id", help="worker id (default host-pid)")
+    worker.add_argument("--runtime", choices=["docker", "podman"], help="container runtime")
+
+    submit = sub.add_parser("submit", help="submit a job (or --file: many)")
+    commands.add_connect(submit)
+    submit.add_argument("--id", help="job id (default: a generated, time-sortable one)")
+    submit.add_argument("--file", metavar="FILE", help="JSON-lines job specs, in batches")
+    commands.add_spec_options(submit, update=False)
+
+    job = sub.add_parser("job", help="get, update, cancel, pause, resume or preview a job")
+    job_sub = job.add_subparsers(dest="action", required=True, metavar="ACTION")
+    for action in ("get", "update", "cancel", "pause", "resume", "preview"):
+        p = job_sub.add_parser(action)
+        p.add_argument("id", metavar="ID")
+        commands.add_connect(p)
+        if action == "update":
+            commands.add_spec_options(p, update=True)
+        if action == "cancel":
+            p.add_argument("--stop-running", action="store_true", help="also stop its runs")
+        if action == "preview":
+            p.add_argument("--count", type=_positive_int, default=5)
+
+    jobs = sub.add_parser("jobs", help="list jobs")
+    commands.add_connect(jobs)
+
+    runs = sub.add_parser("runs", help="run history of jobs")
+    runs.add_argument("job_ids", nargs="+", metavar="JOB_ID")
+    runs.add_argument("--last", type=_positive_int, default=20)
+    commands.add_connect(runs)
+
+    run = sub.add_parser("run", help="one run's status")
+    run.add_argument("run_id", metavar="RUN_ID")
+    commands.add_connect(run)
+
+    logs = sub.add_parser("logs", help="a run's output")
+    logs.add_argument("run_id", metavar="RUN_ID")
+    logs.add_argument("--follow", "-f", action="store_true", help="until the run ends")
+    commands.add_connect(logs)
+
     # The simulation owns its options; sim.cli imports SimPy and the engine only inside run().
     sim = sub.add_parser("sim", help="run seeds of the fault-injection simulation")
     importlib.import_module("sim.cli").add_arguments(sim)
@@ -71,6 +129,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = module.run(args)
         emit(result, as_json=args.json)
         return 0
+    if args.command in ("serve", "worker"):
+        from cluster import commands
+
+        return commands.serve(args) if args.command == "serve" else commands.work(args)
+    if args.command in ("submit", "job", "jobs", "runs", "run", "logs"):
+        from cluster import commands
+
+        return commands.run_client_command(args)
     if args.command == "sim":
         run_sim: int = importlib.import_module("sim.cli").run(args)
         return run_sim

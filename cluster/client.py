@@ -111,17 +111,23 @@ class Client:
         the ``async with`` block, then close it. Raises :class:`ConnectionLost` when no
         connection could be made in time."""
         client = cls(host, port, timeout_s=timeout_s, reconnect=reconnect)
-        async with trio.open_nursery() as nursery:
-            client._nursery = nursery
-            try:
-                with trio.fail_after(timeout_s):
-                    await client._open()
-            except trio.TooSlowError:
-                raise ConnectionLost(f"cannot connect to {host}:{port}") from None
-            try:
-                yield client
-            finally:
-                await client.aclose()
+        try:
+            async with trio.open_nursery() as nursery:
+                client._nursery = nursery
+                try:
+                    with trio.fail_after(timeout_s):
+                        await client._open()
+                except trio.TooSlowError:
+                    raise ConnectionLost(f"cannot connect to {host}:{port}") from None
+                try:
+                    yield client
+                finally:
+                    await client.aclose()
+        except BaseExceptionGroup as group:
+            # The block's own exception, not wrapped by the reader's nursery.
+            if len(group.exceptions) == 1:
+                raise group.exceptions[0] from None
+            raise
 
     async def aclose(self) -> None:
         """Close the connection; requests still waiting fail with :class:`ConnectionLost`."""

@@ -1,0 +1,276 @@
+"""The worker agent: pulls runs from a node, runs them, streams their output, reports, heartbeats.
+
+Owns one worker's side of the protocol: ``worker.hello`` with its tiers, free slots and the runs
+it still holds (again after every reconnect, so a restarted node re-attaches them), credits
+(``worker.pull`` whenever a slot frees), heartbeats, reports (started, output chunks, finished)
+that are retried until the node has them, kills the node asks for, and self-fencing: a worker
+that has not had a heartbeat acknowledged for longer than its lease minus a margin kills its
+tasks, since the node will treat them as lost or hand them out again (DESIGN.md, "Workers fence
+themselves"). Tasks run through :mod:`cluster.runner`; ``payload`` tasks go to a handler given
+by user code (a worker built on the client library), or fail with a clear error without one.
+
+Must never decide what the node decides (who gets a run, what a timeout means for the run's
+state): it reports what happened, with the run's fencing token, and the node's engine decides.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from cluster.client import Client, ClientError, ConnectionLost, RemoteError
+from cluster.runner import RunHandle, TaskNotRunnable, run_task
+from engine.effects import RunTicket
+
+log = logging.getLogger("tickwheel.worker")
+
+#: fraction of the lease between heartbeats
+HEARTBEAT_FRACTION = 3
+#: the worker fences itself this long before its lease could lapse on the node
+FENCE_MARGIN_MS = 2_000
+
+PayloadHandler = Callable[[RunTicket, Callable[[str, bytes], Awaitable[None]]], Awaitable[int]]
+
+
+def fence_deadline_ms(
+    last_ack_mono_ms: int, lease_ms: int, margin_ms: int = FENCE_MARGIN_MS
+) -> int:
+    """When a worker whose last heartbeat was acknowledged at ``last_ack_mono_ms`` must stop its
+    tasks: before the node can see its lease lapse (the node's lease starts at or after the
+    heartbeat was sent, so this is conservative), less a margin, at least half the lease."""
+    return last_ack_mono_ms + max(lease_ms - margin_ms, lease_ms // 2)
+
+
+def ticket_of(run: dict[str, Any]) -> RunTicket:
+    return RunTicket(
+        run_id=run["run_id"],
+        job_id=run["job_id"],
+        scheduled_ms=run["scheduled_ms"],
+        attempt=run["attempt"],
+        token=run["token"],
+        version=run["version"],
+        delivery=run["delivery"],
+        tier=run["tier"],
+        timeout_ms=run["timeout_ms"],
+        task=run["task"],
+    )
+
+
+@dataclass
+class _Held:
+    ticket: RunTicket
+    handle: RunHandle = field(default_factory=RunHandle)
+    outcome: tuple[str, int | None] | None = None  # finished, not yet acknowledged by the node
+
+
+class WorkerAgent:
+    """One worker process's agent. ``slots``: tasks run at once."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        worker_id: str | None = None,
+        tiers: tuple[str, ...] = ("default",),
+        slots: int = 4,
+        kill_grace_s: float = 5.0,
+        container_runtime: str | None = None,
+        payload_handler: PayloadHandler | None = None,
+    ) -> None:
+        if slots < 1:
+            raise ValueError(f"slots must be >= 1, got {slots}")
+        self.host, self.port = host, port
+        self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.tiers = tiers
+        self.slots = slots
+        self.kill_grace_s = kill_grace_s
+        self.container_runtime = container_runtime
+        self.payload_handler = payload_handler
+        self.held: dict[str, _Held] = {}  # run id -> run this worker holds
+        self.waiting: list[RunTicket] = []  # dispatched beyond the free slots (several shards)
+        self.lease_ms = 10_000
+        self.last_ack_ms = 0  # set by the first hello
+        self.client: Client
+        self.nursery: trio.Nursery
+        self.completed = 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve until cancelled. Reconnects whenever the node goes away."""
+        async with Client.connect(self.host, self.port, timeout_s=3600) as client:
+            self.client = client
+            client.on_reconnect = self._hello
+            async with trio.open_nursery() as nursery:
+                self.nursery = nursery
+                await self._hello()
+                nursery.start_soon(self._receive_pushes)
+                nursery.start_soon(self._heartbeats)
+                task_status.started()
+
+    def _running(self) -> int:
+        return sum(1 for h in self.held.values() if h.outcome is None)
+
+    def _free(self) -> int:
+        return max(0, self.slots - self._running() - len(self.waiting))
+
+    def _held_list(self) -> list[list[Any]]:
+        return [[rid, h.ticket.token] for rid, h in self.held.items()]
+
+    async def _hello(self) -> None:
+        result = await self.client.request(
+            "worker.hello",
+            {
+                "worker_id": self.worker_id,
+                "tiers": list(self.tiers),
+                "slots": self._free(),
+                "held": self._held_list(),
+            },
+        )
+        self.lease_ms = int(result["lease_ms"])
+        self.last_ack_ms = _mono_ms()
+        # Reports the node may have missed while the connection was down.
+        for rid, held in list(self.held.items()):
+            if held.outcome is not None:
+                self.nursery.start_soon(self._report_finished, rid)
+
+    async def _heartbeats(self) -> None:
+        while True:
+            await trio.sleep(self.lease_ms / HEARTBEAT_FRACTION / 1000)
+            try:
+                await self.client.request(
+                    "worker.heartbeat",
+                    {"held": self._held_list()},
+                    timeout_s=self.lease_ms / HEARTBEAT_FRACTION / 1000,
+                )
+                self.last_ack_ms = _mono_ms()
+            except ClientError as exc:
+                log.warning("heartbeat failed: %s", exc)
+            if _mono_ms() >= fence_deadline_ms(self.last_ack_ms, self.lease_ms):
+                self._fence()
+
+    def _fence(self) -> None:
+        """The node may already consider this worker gone: stop everything it runs."""
+        for held in self.held.values():
+            if held.outcome is None:
+                held.handle.kill("fenced: no heartbeat acknowledged within the lease")
+        self.waiting.clear()
+
+    async def _receive_pushes(self) -> None:
+        async for message in self.client.pushes:
+            kind = message.get("push")
+            if kind == "dispatch":
+                ticket = ticket_of(message["run"])
+                if ticket.run_id in self.held:
+                    continue  # a repeat of what we hold
+                if self._running() < self.slots:
+                    self._start(ticket)
+                else:
+                    self.waiting.append(ticket)
+            elif kind == "kill":
+                held = self.held.get(message["run_id"])
+                if held is not None and held.ticket.token == message["token"]:
+                    held.handle.kill(str(message.get("reason", "killed by the node")))
+                self.waiting = [
+                    t
+                    for t in self.waiting
+                    if not (t.run_id == message["run_id"] and t.token == message["token"])
+                ]
+            elif kind == "refused":
+                log.warning("node refused a report: %s", message.get("message"))
+                self.nursery.start_soon(self._hello)
+
+    # ------------------------------------------------------------------ one run
+
+    def _start(self, ticket: RunTicket) -> None:
+        held = _Held(ticket)
+        self.held[ticket.run_id] = held
+        self.nursery.start_soon(self._execute, held)
+
+    async def _execute(self, held: _Held) -> None:
+        ticket = held.ticket
+        rid = ticket.run_id
+
+        async def on_output(stream: str, data: bytes) -> None:
+            await self._send_output(ticket, stream, data)
+
+        await self._report("worker.started", {"run_id": rid, "token": ticket.token})
+        try:
+            if "payload" in ticket.task:
+                if self.payload_handler is None:
+                    await on_output("stderr", b"tickwheel: this worker runs no payload tasks\n")
+                    outcome, code = "failed", None
+                else:
+                    code = await self.payload_handler(ticket, on_output)
+                    outcome = "success" if code == 0 else "failed"
+            else:
+                result = await run_task(
+                    ticket,
+                    on_output=on_output,
+                    handle=held.handle,
+                    kill_grace_s=self.kill_grace_s,
+                    container_runtime=self.container_runtime,
+                )
+                outcome, code = result.outcome, result.exit_code
+        except TaskNotRunnable as exc:
+            await on_output("stderr", f"tickwheel: {exc}\n".encode())
+            outcome, code = "failed", None
+        held.outcome = (outcome, code)
+        self.completed += 1
+        await self._report_finished(rid)
+        if self.waiting:
+            self._start(self.waiting.pop(0))
+        else:
+            await self._report("worker.pull", {"credits": self._free()})
+
+    async def _report_finished(self, rid: str) -> None:
+        held = self.held.get(rid)
+        if held is None or held.outcome is None:
+            return
+        outcome, code = held.outcome
+        done = await self._report(
+            "worker.finished",
+            {"run_id": rid, "token": held.ticket.token, "outcome": outcome, "exit_code": code},
+        )
+        if done:
+            self.held.pop(rid, None)
+
+    async def _send_output(self, ticket: RunTicket, stream: str, data: bytes) -> None:
+        await self._report(
+            "worker.output",
+            {
+                "run_id": ticket.run_id,
+                "token": ticket.token,
+                "stream": stream,
+                "data": data,
+                "attempt": ticket.attempt,
+            },
+        )
+
+    async def _report(self, op: str, args: dict[str, Any]) -> bool:
+        """Send a report until the node has it. False when the node refused it for good (its
+        answer is final: a run it does not know, a superseded token)."""
+        while True:
+            try:
+                await self.client.request(op, args, timeout_s=60)
+                return True
+            except RemoteError as exc:
+                log.warning("%s refused: %s", op, exc)
+                return True  # refused is an answer: the node will not want it again
+            except ConnectionLost:
+                await trio.sleep(0.2)  # the client reconnects and says hello first
+            except ClientError as exc:
+                log.warning("%s: %s; retrying", op, exc)
+                await trio.sleep(0.5)
+
+
+def _mono_ms() -> int:
+    return time.monotonic_ns() // 1_000_000
