@@ -20,6 +20,9 @@ BENCH_SUITES: dict[str, tuple[str, str]] = {
     "schedules": ("bench.schedules_suite", "next fire times of many cron jobs, cached vs not"),
     "engine": ("bench.engine_suite", "one shard engine: creates, fires and bytes per pending job"),
     "store": ("bench.store_suite", "shard store: group commit, recovery and bytes on disk"),
+    "submit": ("bench.submit_suite", "durable submits per second over TCP to a real node"),
+    "lateness": ("bench.lateness_suite", "how late runs fire at 1,000 fires per second"),
+    "dispatch": ("bench.dispatch_suite", "payload runs executed end to end per second"),
 }
 
 
