@@ -1,0 +1,57 @@
+"""`tickwheel bench store` runs end to end at a tiny size and prints the shared JSON shape,
+every durability figure beside its fdatasync anchor."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def test_store_suite_json_shape() -> None:
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cluster.cli",
+            "bench",
+            "store",
+            "--pending",
+            "3000",
+            "--jobs",
+            "64",
+            "--json",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    ).stdout
+    data = json.loads(out)
+    assert data["suite"] == "store" and data["machine"]["cores"]
+    by_name: dict[str, list[dict[str, object]]] = {}
+    for metric in data["metrics"]:
+        assert {"name", "value", "unit"} <= set(metric)
+        assert isinstance(metric["value"], int | float) and metric["value"] > 0
+        by_name.setdefault(str(metric["name"]), []).append(metric)
+    assert set(by_name) == {
+        "durable_records_per_s",
+        "recovery_pending_per_s",
+        "disk_bytes_per_pending",
+    }
+    durable = by_name["durable_records_per_s"]
+    assert {(m["producers"], m["driver"]) for m in durable} >= {
+        (1, "threads"),
+        (16, "threads"),
+        (256, "threads"),
+    }
+    for m in durable:
+        assert m["anchor"] == "write+fdatasync loop"
+        assert m["ratio"] == round(m["value"] / m["anchor_value"], 3)  # type: ignore[operator]
+    recovery = by_name["recovery_pending_per_s"]
+    assert all(m["pending"] == 3000 for m in recovery)
+    assert "store" in {m["scope"] for m in recovery}
+    assert {m["scope"] for m in by_name["disk_bytes_per_pending"]} == {
+        "snapshot",
+        "records+snapshot",
+    }
