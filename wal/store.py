@@ -107,6 +107,9 @@ _LOG, _JOBS, _INDEX, _POS, _RUNS, _HISTORY, _BYTIME, _NRUNS, _LOGS, _SNAPSHOT, _
 _POS_NONE, _POS_PENDING, _POS_PAUSED, _POS_IDLE = 0, 1, 2, 3
 _RUN_OTHER, _RUN_PENDING, _RUN_IN_FLIGHT = 0, 1, 2
 _POS_BYTES: Final = tuple(bytes((c,)) for c in range(4))
+# What each class adds to the counts: (jobs, pending, paused) and (runs pending, in flight).
+_POS_COUNTS: Final = ((0, 0, 0), (1, 1, 0), (1, 0, 1), (1, 0, 0))
+_RUN_COUNTS: Final = ((0, 0), (1, 0), (0, 1))
 _RUN_BYTES: Final = tuple(bytes((c,)) for c in range(3))
 
 _EMPTY: Final = b""
@@ -523,15 +526,17 @@ class ShardStore:
             wb = WriteBatch(raw_mode=True)
             put = wb.put
             h = self._h
-            seq = self._last_seq
-            seqs: list[int] = []
             log_h = h[_LOG]
+            u64 = codec.u64
+            first = self._last_seq + 1
+            seq = first
             for p in prepared:
+                put(u64(seq), p.log_value, log_h)
                 seq += 1
-                seqs.append(seq)
-                put(codec.u64(seq), p.log_value, log_h)
                 for cf, k, v in p.puts:
                     put(k, v, h[cf])
+            seq -= 1
+            seqs = list(range(first, seq + 1))
             counts = self._counts.copy()
             touched = self._account(wb, prepared, counts)
             if counts != self._counts:
@@ -548,52 +553,41 @@ class ShardStore:
         """Update ``counts`` for what the group changes, adding per-job run counts and the
         time index of new runs to ``wb``. Reads what the keys held before with one multi-get
         per column family; keys written twice in the group see their earlier value."""
-        pos = [e for p in prepared for e in p.pos]
-        runs = [e for p in prepared for e in p.runs]
+        pos = [e for p in prepared if p.pos for e in p.pos]
+        runs = [e for p in prepared if p.runs for e in p.runs]
         touched: set[int] = set()
         if pos:
             current = self._classes(self._cf[_POS], {k for k, _ in pos})
             for k, cls in pos:
                 old = max(current[k], _POS_NONE)  # never held counts as nothing
                 if old != cls:
-                    if old != _POS_NONE:
-                        counts[0] -= 1
-                        if old == _POS_PENDING:
-                            counts[1] -= 1
-                        elif old == _POS_PAUSED:
-                            counts[2] -= 1
-                    if cls != _POS_NONE:
-                        counts[0] += 1
-                        if cls == _POS_PENDING:
-                            counts[1] += 1
-                        elif cls == _POS_PAUSED:
-                            counts[2] += 1
+                    was, now = _POS_COUNTS[old], _POS_COUNTS[cls]
+                    counts[0] += now[0] - was[0]
+                    counts[1] += now[1] - was[1]
+                    counts[2] += now[2] - was[2]
                     current[k] = cls
         if runs:
             current = self._classes(self._cf[_RUNS], {k for k, _, _ in runs})
             new_per_job: dict[int, int] = {}
+            put = wb.put
+            bytime = self._h[_BYTIME]
             for k, cls, job in runs:
-                old = current.get(k, -1)
+                old = current[k]
                 if old == -1:  # a run this store has never held: index it
                     new_per_job[job] = new_per_job.get(job, 0) + 1
-                    wb.put(k[8:16] + k[:8], _EMPTY, self._h[_BYTIME])
+                    put(k[8:16] + k[:8], _EMPTY, bytime)
                     old = _RUN_OTHER
                 if old != cls:
-                    if old == _RUN_PENDING:
-                        counts[3] -= 1
-                    elif old == _RUN_IN_FLIGHT:
-                        counts[4] -= 1
-                    if cls == _RUN_PENDING:
-                        counts[3] += 1
-                    elif cls == _RUN_IN_FLIGHT:
-                        counts[4] += 1
+                    counts[3] += _RUN_COUNTS[cls][0] - _RUN_COUNTS[old][0]
+                    counts[4] += _RUN_COUNTS[cls][1] - _RUN_COUNTS[old][1]
                 current[k] = cls
             if new_per_job:
                 keys = [codec.i64(j) for j in new_per_job]
                 olds = self._multiget(self._cf[_NRUNS], keys)
+                nruns = self._h[_NRUNS]
                 for jk, added, old_n in zip(keys, new_per_job.values(), olds, strict=True):
                     n = (0 if old_n is None else codec.read_u64(old_n)) + added
-                    wb.put(jk, codec.u64(n), self._h[_NRUNS])
+                    put(jk, codec.u64(n), nruns)
                 touched.update(new_per_job)
         return touched
 
