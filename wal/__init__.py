@@ -1,4 +1,6 @@
 """Durable storage of one shard (RocksDB through rocksdict): record batches, group commit,
-recovery into an engine, retention and run logs. Imports ``engine`` only; never decides what a
-record means — the engine does.
+snapshots and the log tail for recovery, retention and run logs.
+
+Imports ``engine``, the standard library, numpy, msgpack and rocksdict only; never decides what
+a record means for the schedule — the engine does, on recovery, from what the store hands back.
 """
