@@ -1,0 +1,518 @@
+"""Bad input over real sockets: a real node on 127.0.0.1 (in process, a temporary data directory,
+a port the OS picks) answers every malformed frame, unknown op, wrong, unknown or missing
+argument, oversized frame or task and bad job spec with its typed error code (docs/protocol.md),
+keeps the connection, and never lets one connection's garbage harm another's requests.
+
+The node runs under ``trio.run`` inside plain test functions (no pytest-trio); each test gets its
+own node and stops it by cancelling it, which closes its stores as SIGTERM would.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+import trio
+
+from cluster.client import Client, RemoteError
+from cluster.codec import DEFAULT_MAX_FRAME, FrameDecoder, Message, ProtocolError, encode
+from cluster.node import MAX_IN_FLIGHT, Node
+from cluster.protocol import MAX_BATCH, MAX_LIMIT
+from engine.jobs import MAX_TASK_BYTES
+
+HOST = "127.0.0.1"
+EVERY = {"every": "1h"}  # far enough that nothing fires while a test runs
+TIME_LIMIT_S = 30
+
+
+def run_with_node(tmp_path: Path, body: Callable[[int], Awaitable[None]]) -> None:
+    """Start a node on ``tmp_path``, run ``body(port)``, stop the node; bounded in time."""
+
+    async def main() -> None:
+        with trio.fail_after(TIME_LIMIT_S):
+            async with trio.open_nursery() as nursery:
+                node = Node(tmp_path / "data", host=HOST, port=0, shards=2)
+                port = await nursery.start(node.run)
+                await body(port)
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+class Raw:
+    """A bare protocol connection: whatever bytes we like out, decoded frames in. Pushes are
+    kept apart from replies."""
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        self.decoder = FrameDecoder()
+        self.pushes: list[Message] = []
+        self.next_id = 0
+
+    @classmethod
+    async def open(cls, port: int) -> Raw:
+        return cls(await trio.open_tcp_stream(HOST, port))
+
+    async def send_bytes(self, data: bytes) -> None:
+        await self.stream.send_all(data)
+
+    async def send_body(self, body: bytes) -> None:
+        """One frame around ``body``, whatever it holds."""
+        await self.stream.send_all(struct.pack(">I", len(body)) + body)
+
+    async def send(self, message: Any) -> None:
+        await self.send_body(msgpack.packb(message, use_bin_type=True))
+
+    async def receive(self) -> Message:
+        """The next reply (pushes are set aside)."""
+        while True:
+            event = self.decoder.next_event()
+            if event is None:
+                data = await self.stream.receive_some(1 << 16)
+                assert data, "the node closed the connection"
+                self.decoder.feed(data)
+                continue
+            assert not isinstance(event, ProtocolError), event
+            if "push" in event:
+                self.pushes.append(event)
+                continue
+            return event
+
+    async def call(self, op: str, args: Any = None, **extra: Any) -> Message:
+        """Send one request and return its reply (nothing else is in flight)."""
+        self.next_id += 1
+        message: dict[str, Any] = {"id": self.next_id, "op": op, **extra}
+        if args is not None:
+            message["args"] = args
+        await self.send(message)
+        reply = await self.receive()
+        assert reply["id"] == self.next_id, reply
+        return reply
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
+def error_of(reply: Message) -> tuple[str, str | None]:
+    assert reply["ok"] is False, reply
+    err = reply["error"]
+    assert set(err) == {"code", "message", "field"} and isinstance(err["message"], str)
+    return err["code"], err["field"]
+
+
+async def assert_healthy(port: int, job_id: str) -> None:
+    """A fresh connection gets a ping answered and a job created and read back."""
+    async with Client.connect(HOST, port, timeout_s=10, reconnect=False) as client:
+        pong = await client.request("ping")
+        assert pong["shards"] == 2 and pong["epoch"] >= 1
+        created = await client.create({"id": job_id, "schedule": EVERY, "task": {"shell": "true"}})
+        assert created["job_id"] == job_id and created["next_fire_ms"] is not None
+        assert (await client.get(job_id))["spec"]["task"] == {"shell": "true"}
+
+
+# =============================================================================== frames
+
+
+def test_malformed_frames_get_typed_errors_and_the_connection_carries_on(tmp_path: Path) -> None:
+    bodies: list[bytes] = [
+        b"\xc1",  # a byte msgpack never uses
+        b"",  # an empty frame
+        b"\x92\x01",  # an array cut short
+        msgpack.packb([1, 2]),  # not a map
+        msgpack.packb(7),
+        msgpack.packb("ping"),
+        msgpack.packb({"id": "1", "op": "ping"}),  # ids are integers
+        msgpack.packb({"id": True, "op": "ping"}),  # ...and a boolean is not one
+        msgpack.packb({"id": 1.5, "op": "ping"}),
+        msgpack.packb({"id": [1], "op": "ping"}),
+        msgpack.packb({1: "x", "id": 3, "op": "ping"}),  # map keys are strings
+    ]
+
+    async def body(port: int) -> None:
+        raw = await Raw.open(port)
+        for frame_body in bodies:
+            await raw.send_body(frame_body)
+            reply = await raw.receive()
+            # The request id cannot be trusted from a frame that is not a message.
+            assert reply["id"] is None
+            assert error_of(reply) == ("malformed", None), frame_body
+        # The same connection still works.
+        reply = await raw.call("ping")
+        assert reply["ok"] and reply["result"]["shards"] == 2
+        await raw.aclose()
+
+    run_with_node(tmp_path, body)
+
+
+def test_bad_requests_name_their_fault(tmp_path: Path) -> None:
+    async def body(port: int) -> None:
+        raw = await Raw.open(port)
+        await raw.send({"op": "ping"})  # no id at all
+        reply = await raw.receive()
+        assert reply["id"] is None and error_of(reply) == ("bad_request", None)
+        for message in (
+            {"id": 11},  # no op
+            {"id": 11, "op": 5},  # an op that is not a string
+            {"id": 11, "op": "ping", "extra": True},  # a key beside id, op and args
+        ):
+            await raw.send(message)
+            reply = await raw.receive()
+            assert reply["id"] == 11 and error_of(reply) == ("bad_request", None), message
+        await raw.send({"id": 12, "op": "job.destroy", "args": {}})
+        reply = await raw.receive()
+        assert reply["id"] == 12 and error_of(reply) == ("unknown_op", None)
+        await raw.send({"id": 13, "op": "ping", "args": [1]})
+        reply = await raw.receive()
+        assert reply["id"] == 13 and error_of(reply) == ("bad_args", None)
+        # Requests with an id that is any 64-bit integer are fine; the reply carries it back.
+        for request_id in (0, -1, 2**64 - 1):
+            await raw.send({"id": request_id, "op": "ping"})
+            reply = await raw.receive()
+            assert reply["id"] == request_id and reply["ok"] is True
+        await raw.aclose()
+
+    run_with_node(tmp_path, body)
+
+
+#: (op, args, the field the bad_args error names)
+BAD_ARGS: list[tuple[str, dict[str, Any], str]] = [
+    # wrong types
+    ("job.get", {"id": 5}, "id"),
+    ("job.get", {"id": b"bytes"}, "id"),
+    ("job.create", {"spec": [1, 2]}, "spec"),
+    ("job.create_many", {"specs": {"a": 1}}, "specs"),
+    ("job.cancel", {"id": "j", "stop_running": 1}, "stop_running"),
+    ("job.list", {"limit": True}, "limit"),  # a boolean is not an integer
+    ("job.list", {"limit": "10"}, "limit"),
+    ("run.history", {"job_id": "j", "last": 2.5}, "last"),
+    ("run.logs", {"run_id": None}, "run_id"),
+    ("job.preview", {"schedule": "0 * * * *"}, "schedule"),
+    ("worker.hello", {"worker_id": "w", "tiers": "default", "slots": 1}, "tiers"),
+    # unknown arguments
+    ("ping", {"verbose": True}, "verbose"),
+    ("job.get", {"id": "j", "with_runs": True}, "with_runs"),
+    ("job.create", {"spec": {}, "replace": True}, "replace"),
+    # missing arguments
+    ("job.get", {}, "id"),
+    ("job.create", {}, "spec"),
+    ("job.update", {"id": "j"}, "changes"),
+    ("run.get", {}, "run_id"),
+    ("run.history", {}, "job_id"),
+    ("worker.hello", {"worker_id": "w", "tiers": ["default"]}, "slots"),
+    # limits
+    ("job.list", {"limit": 0}, "limit"),
+    ("job.list", {"limit": MAX_LIMIT + 1}, "limit"),
+    ("run.history", {"job_id": "j", "last": -3}, "last"),
+    ("job.preview", {"schedule": EVERY, "count": MAX_LIMIT + 1}, "count"),
+    # checked by the op itself
+    ("job.list", {"after": "not-a-cursor"}, "after"),
+    ("job.preview", {}, "schedule"),
+    ("worker.hello", {"worker_id": "w", "tiers": [], "slots": 1}, "tiers"),
+    ("worker.hello", {"worker_id": "w", "tiers": [7], "slots": 1}, "tiers"),
+    ("worker.hello", {"worker_id": "w", "tiers": ["default"], "slots": -1}, "slots"),
+    ("worker.hello", {"worker_id": "w", "tiers": ["d"], "slots": 1, "held": [["r@1"]]}, "held[0]"),
+]
+
+
+def test_wrong_unknown_and_missing_arguments_are_bad_args_naming_the_field(
+    tmp_path: Path,
+) -> None:
+    async def body(port: int) -> None:
+        raw = await Raw.open(port)
+        for op, args, field in BAD_ARGS:
+            reply = await raw.call(op, args)
+            assert error_of(reply) == ("bad_args", field), (op, args, reply)
+        # A batch over the limit is refused whole.
+        specs: list[dict[str, Any]] = [{} for _ in range(MAX_BATCH + 1)]
+        reply = await raw.call("job.create_many", {"specs": specs})
+        assert error_of(reply) == ("bad_args", "specs")
+        await raw.aclose()
+
+    run_with_node(tmp_path, body)
+
+
+def test_worker_ops_need_a_hello_and_bad_reports_are_refused(tmp_path: Path) -> None:
+    async def body(port: int) -> None:
+        raw = await Raw.open(port)
+        for op, args in (
+            ("worker.pull", {"credits": 1}),
+            ("worker.heartbeat", {}),
+            ("worker.started", {"run_id": "j@1", "token": 1}),
+            ("worker.finished", {"run_id": "j@1", "token": 1, "outcome": "success"}),
+        ):
+            reply = await raw.call(op, args)
+            assert error_of(reply) == ("not_a_worker", None), op
+        hello = await raw.call("worker.hello", {"worker_id": "w1", "tiers": ["t1"], "slots": 0})
+        assert hello["ok"] and hello["result"]["lease_ms"] > 0
+        reply = await raw.call("worker.pull", {"credits": -1})
+        assert error_of(reply) == ("bad_args", "credits")
+        reply = await raw.call("worker.started", {"run_id": "no-at-sign", "token": 1})
+        assert error_of(reply) == ("invalid", "run_id")
+        args = {"run_id": "j@1", "token": 1, "stream": "stdin", "data": b"x"}
+        reply = await raw.call("worker.output", args)
+        assert error_of(reply) == ("bad_args", "stream")
+        reply = await raw.call("worker.output", {**args, "stream": "stdout", "data": "text"})
+        assert error_of(reply) == ("bad_args", "data")
+        # A report the engine refuses is acknowledged, then refused by a push.
+        reply = await raw.call(
+            "worker.finished", {"run_id": "j@1", "token": 1, "outcome": "exploded"}
+        )
+        assert reply["ok"] is True
+        with trio.fail_after(5):
+            while not raw.pushes:
+                assert (await raw.call("ping"))["ok"]
+        assert raw.pushes[0]["push"] == "refused" and raw.pushes[0]["code"] == "invalid"
+        await raw.aclose()
+
+    run_with_node(tmp_path, body)
+
+
+# =============================================================================== sizes
+
+
+def test_an_oversized_frame_is_refused_skipped_and_the_connection_carries_on(
+    tmp_path: Path,
+) -> None:
+    async def body(port: int) -> None:
+        raw = await Raw.open(port)
+        size = DEFAULT_MAX_FRAME + 1
+        # The node skips the body as it arrives (never buffers it) and answers once.
+        await raw.send_bytes(struct.pack(">I", size) + bytes(size))
+        reply = await raw.receive()
+        assert reply["id"] is None and error_of(reply) == ("frame_too_large", None)
+        assert str(DEFAULT_MAX_FRAME) in reply["error"]["message"]
+        # A frame exactly at the limit is read (and refused for what it holds, not its size).
+        filler = msgpack.packb({"id": 5, "op": "ping", "args": {"pad": ""}})
+        pad = DEFAULT_MAX_FRAME - len(filler) - 4  # a str32 header is 4 bytes longer
+        big = msgpack.packb({"id": 5, "op": "ping", "args": {"pad": "x" * pad}})
+        assert len(big) == DEFAULT_MAX_FRAME
+        await raw.send_body(big)
+        reply = await raw.receive()
+        assert reply["id"] == 5 and error_of(reply) == ("bad_args", "pad")
+        reply = await raw.call("ping")
+        assert reply["ok"] is True
+        await raw.aclose()
+
+    run_with_node(tmp_path, body)
+
+
+def test_a_task_over_256_kib_is_invalid_job_naming_the_task(tmp_path: Path) -> None:
+    over = MAX_TASK_BYTES + 1
+
+    async def body(port: int) -> None:
+        raw = await Raw.open(port)
+        for task, field in (
+            ({"payload": "x" * over}, "task"),
+            ({"payload": b"\x00" * over}, "task"),
+            ({"payload": ["y" * 1000] * (over // 1000 + 1)}, "task"),
+            ({"command": ["echo", *(["a" * 1000] * (over // 1000 + 1))]}, "task"),
+            # One string longer than the whole limit is named itself.
+            ({"shell": "echo " + "z" * over}, "task.shell"),
+        ):
+            spec = {"id": "big", "schedule": EVERY, "task": task}
+            reply = await raw.call("job.create", {"spec": spec})
+            assert error_of(reply) == ("invalid_job", field), reply["error"]
+        # Nothing was persisted half-way: the id is still free.
+        reply = await raw.call("job.get", {"id": "big"})
+        assert error_of(reply) == ("not_found", "id")
+        # Just under the limit is accepted, and handed back whole.
+        near = MAX_TASK_BYTES - 64
+        spec = {"id": "big", "schedule": EVERY, "task": {"payload": b"\x01" * near}}
+        reply = await raw.call("job.create", {"spec": spec})
+        assert reply["ok"] is True, reply
+        reply = await raw.call("job.get", {"id": "big"})
+        assert reply["result"]["spec"]["task"]["payload"] == b"\x01" * near
+        await raw.aclose()
+
+    run_with_node(tmp_path, body)
+
+
+# =============================================================================== job specs
+
+#: (spec changes over a valid spec, error code, field)
+BAD_SPECS: list[tuple[dict[str, Any], str, str | None]] = [
+    ({"retries": {"max": 1000}}, "invalid_job", "retries.max"),
+    ({"retries": {"tries": 1}}, "invalid_job", "retries.tries"),
+    ({"colour": "blue"}, "invalid_job", "colour"),
+    ({"delivery": "exactly_once"}, "invalid_job", "delivery"),
+    ({"on_timeout": "retry:0"}, "invalid_job", "on_timeout"),
+    ({"timeout": "90"}, "invalid_job", "timeout"),  # a duration needs its unit
+    ({"tier": "has space"}, "invalid_job", "tier"),
+    ({"id": "bad id!"}, "invalid_job", "id"),
+    ({"task": {"command": []}}, "invalid_job", "task.command"),
+    ({"task": {"command": ["ls", 3]}}, "invalid_job", "task.command[1]"),
+    ({"task": {"shell": "x", "payload": 1}}, "invalid_job", "task.payload"),
+    ({"task": {"payload": 1, "env": {}}}, "invalid_job", "task.env"),
+    ({"labels": {"team": 5}}, "invalid_job", "labels.team"),
+    ({"after": ["j-self"]}, "invalid_job", "after[0]"),
+    ({"schedule": {"cron": "61 * * * *"}}, "invalid_schedule", "schedule.cron"),
+    ({"schedule": {"cron": "0 * * * *", "tz": "Mars/Olympus"}}, "invalid_schedule", "schedule.tz"),
+    ({"schedule": {"every": "0s"}}, "invalid_schedule", "schedule.every"),
+    ({"schedule": {"at": "2030-01-01T00:00:00"}}, "invalid_schedule", "schedule.at"),
+]
+
+
+def test_a_bad_job_spec_is_a_typed_error_naming_the_field(tmp_path: Path) -> None:
+    base: dict[str, Any] = {"id": "j-self", "schedule": EVERY, "task": {"shell": "true"}}
+
+    async def body(port: int) -> None:
+        raw = await Raw.open(port)
+        for changes, code, field in BAD_SPECS:
+            reply = await raw.call("job.create", {"spec": {**base, **changes}})
+            assert error_of(reply) == (code, field), (changes, reply)
+        # Missing required fields.
+        for key in ("schedule", "task"):
+            spec = {k: v for k, v in base.items() if k != key}
+            reply = await raw.call("job.create", {"spec": spec})
+            assert error_of(reply) == ("invalid_job", key)
+        # In a batch, each spec gets its own answer; the good ones are created.
+        specs = [
+            {**base, "id": "b-ok"},
+            {**base, "id": "b-bad", "overlap": "sometimes"},
+            "not a map",
+            {**base, "id": "b-ok"},  # a repeat of the first: exists
+        ]
+        reply = await raw.call("job.create_many", {"specs": specs})
+        results = reply["result"]["results"]
+        assert (results[1]["error"]["code"], results[1]["error"]["field"]) == (
+            "invalid_job",
+            "overlap",
+        )
+        assert (results[2]["error"]["code"], results[2]["error"]["field"]) == (
+            "bad_args",
+            "specs[2]",
+        )
+        # Both copies of b-ok ran at once: one created it, the other found it.
+        pair = [results[0], results[3]]
+        assert sorted(r["ok"] for r in pair) == [False, True]
+        assert [r["result"]["job_id"] for r in pair if r["ok"]] == ["b-ok"]
+        assert [r["error"]["code"] for r in pair if not r["ok"]] == ["exists"]
+        # An update is validated the same way, and an unknown job is not_found.
+        reply = await raw.call("job.update", {"id": "b-ok", "changes": {"retries": {"max": -1}}})
+        assert error_of(reply) == ("invalid_job", "retries.max")
+        reply = await raw.call("job.update", {"id": "nobody", "changes": {}})
+        assert error_of(reply) == ("not_found", "id")
+        for op in ("job.get", "job.pause", "job.resume", "job.cancel"):
+            reply = await raw.call(op, {"id": "nobody"})
+            assert error_of(reply) == ("not_found", "id"), op
+        await raw.aclose()
+
+    run_with_node(tmp_path, body)
+
+
+# =============================================================================== isolation
+
+
+async def _garbage(port: int, stop: trio.Event, counts: dict[str, int]) -> None:
+    """Every kind of bad input, over and over on one connection, reading the errors back."""
+    raw = await Raw.open(port)
+    oversize = DEFAULT_MAX_FRAME + 100
+    round_ = 0
+    while not stop.is_set():
+        round_ += 1
+        await raw.send_body(b"\xc1\xc1\xc1")
+        await raw.send(["not", "a", "map"])
+        await raw.send({"id": "seven", "op": "ping"})
+        await raw.send({"id": round_, "op": "job.explode"})
+        await raw.send({"id": round_, "op": "job.get", "args": {"id": 12}})
+        await raw.send({"id": round_, "op": "job.get", "args": {"id": "x", "y": 1}})
+        await raw.send({"id": round_, "op": "job.create", "args": {}})
+        spec = {"schedule": EVERY, "task": {"payload": "x" * (MAX_TASK_BYTES + 1)}}
+        await raw.send({"id": round_, "op": "job.create", "args": {"spec": spec}})
+        await raw.send({"id": round_, "op": "job.create", "args": {"spec": {"task": 5}}})
+        if round_ % 4 == 1:
+            await raw.send_bytes(struct.pack(">I", oversize) + bytes(oversize))
+        expected = 9 + (round_ % 4 == 1)
+        for _ in range(expected):
+            reply = await raw.receive()
+            assert reply["ok"] is False
+            counts[reply["error"]["code"]] = counts.get(reply["error"]["code"], 0) + 1
+    # And a connection that dies in the middle of a frame.
+    await raw.send_bytes(struct.pack(">I", 1000) + b"\x81")
+    await raw.aclose()
+
+
+def test_garbage_on_one_connection_never_harms_another(tmp_path: Path) -> None:
+    created: list[str] = []
+    counts: dict[str, int] = {}
+
+    async def good_client(port: int, stop: trio.Event) -> None:
+        async with Client.connect(HOST, port, timeout_s=10, reconnect=False) as client:
+            for i in range(300):
+                job = await client.create(
+                    {"id": f"good-{i}", "schedule": EVERY, "task": {"payload": i}}
+                )
+                created.append(job["job_id"])
+                if i % 50 == 0:
+                    assert (await client.get(f"good-{i}"))["job_id"] == f"good-{i}"
+        stop.set()
+
+    async def body(port: int) -> None:
+        stop = trio.Event()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_garbage, port, stop, counts)
+            nursery.start_soon(good_client, port, stop)
+        await assert_healthy(port, "after-the-garbage")
+        async with Client.connect(HOST, port, timeout_s=10, reconnect=False) as client:
+            with pytest.raises(RemoteError) as caught:
+                await client.create({"id": "good-7", "schedule": EVERY, "task": {"payload": 0}})
+            assert caught.value.code == "exists"
+            assert (await client.get("good-299"))["spec"]["task"] == {"payload": 299}
+
+    run_with_node(tmp_path, body)
+    assert created == [f"good-{i}" for i in range(300)]
+    # The garbage really was sent and answered while the good client worked.
+    for code in ("malformed", "unknown_op", "bad_args", "invalid_job", "frame_too_large"):
+        assert counts.get(code, 0) >= 1, counts
+
+
+# =============================================================================== pipelining
+
+
+def test_a_thousand_pipelined_requests_all_get_their_replies(tmp_path: Path) -> None:
+    count = 1000
+    assert count <= MAX_IN_FLIGHT  # past it the node stops reading; it still answers all
+
+    async def body(port: int) -> None:
+        raw = await Raw.open(port)
+        frames: list[bytes] = []
+        expected: dict[int, str] = {}
+        for i in range(count):
+            if i % 3 == 0:
+                message = {"id": i, "op": "ping"}
+                expected[i] = "ping"
+            elif i % 3 == 1:
+                spec = {"id": f"p-{i}", "schedule": EVERY, "task": {"payload": i}}
+                message = {"id": i, "op": "job.create", "args": {"spec": spec}}
+                expected[i] = "create"
+            else:
+                message = {"id": i, "op": "job.get", "args": {"id": "nobody"}}
+                expected[i] = "missing"
+            frames.append(encode(message))
+        # Every request leaves before any reply is read.
+        await raw.send_bytes(b"".join(frames))
+        seen: dict[int, Message] = {}
+        while len(seen) < count:
+            reply = await raw.receive()
+            assert reply["id"] not in seen, "one reply per request"
+            seen[reply["id"]] = reply
+        assert set(seen) == set(expected)
+        for i, kind in expected.items():
+            reply = seen[i]
+            if kind == "ping":
+                assert reply["ok"] and reply["result"]["shards"] == 2
+            elif kind == "create":
+                assert reply["ok"] and reply["result"]["job_id"] == f"p-{i}", reply
+            else:
+                assert error_of(reply) == ("not_found", "id")
+        # The creates are durable and readable.
+        last = max(i for i, kind in expected.items() if kind == "create")
+        reply = await raw.call("job.get", {"id": f"p-{last}"})
+        assert reply["ok"] and reply["result"]["spec"]["task"] == {"payload": last}
+        await raw.aclose()
+
+    run_with_node(tmp_path, body)
