@@ -245,7 +245,9 @@ class ShardStore:
         self._counts = [0, 0, 0, 0, 0]
         self._failed: StoreFailure | None = None
         self._touched: set[int] = set()  # jobs given a new run since the last retain()
-        self._packer = msgpack.Packer(use_bin_type=True)
+        # A msgpack Packer keeps a buffer between calls: one per thread (prepare() runs in every
+        # producer's thread).
+        self._packers = threading.local()
 
     # ================================================================= open and close
 
@@ -438,7 +440,10 @@ class ShardStore:
             ) from exc
 
     def _route(self, batch: Persist) -> PreparedBatch:
-        pack = self._packer.pack
+        packer: msgpack.Packer | None = getattr(self._packers, "packer", None)
+        if packer is None:
+            packer = self._packers.packer = msgpack.Packer(use_bin_type=True)
+        pack = packer.pack
         encoded: list[bytes] = []
         puts: list[tuple[int, bytes, bytes]] = []
         pos: list[tuple[bytes, int]] = []
@@ -490,7 +495,7 @@ class ShardStore:
                 b"\x93",  # a msgpack array of 3
                 pack(batch.batch_id),
                 pack(batch.epoch),
-                self._packer.pack_array_header(len(encoded)),
+                packer.pack_array_header(len(encoded)),
                 *encoded,
             )
         )
