@@ -69,6 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--shards", type=_positive_int, help="shard count of a new data directory (default 2)"
     )
+    serve.add_argument(
+        "--worker-lease",
+        metavar="DUR",
+        help="a worker's lease without heartbeats (default 10s; the reattach grace is twice it)",
+    )
 
     worker = sub.add_parser("worker", help="run a worker: pull runs from a node and run them")
     worker.add_argument(

@@ -23,6 +23,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import trio
@@ -31,6 +32,8 @@ from cluster.codec import DEFAULT_MAX_FRAME, FrameDecoder, Message, ProtocolErro
 from engine.jobs import new_job_id
 
 DEFAULT_TIMEOUT_S = 30.0
+#: set while the reconnect hook runs: its requests go out before anyone else's
+_handshake: ContextVar[bool] = ContextVar("tickwheel_handshake", default=False)
 
 
 class ClientError(Exception):
@@ -140,7 +143,7 @@ class Client:
         if self._nursery is not None:
             self._nursery.cancel_scope.cancel()
 
-    async def _open(self) -> None:
+    async def _open(self, *, announce: bool = True) -> None:
         delay = 0.05
         while True:
             try:
@@ -153,7 +156,8 @@ class Client:
         self.generation += 1
         assert self._nursery is not None
         self._nursery.start_soon(self._reader, stream)
-        self._connected.set()
+        if announce:
+            self._connected.set()
 
     async def _reader(self, stream: trio.SocketStream) -> None:
         decoder = FrameDecoder(self.max_frame)
@@ -184,9 +188,19 @@ class Client:
                 self._nursery.start_soon(self._reconnect)
 
     async def _reconnect(self) -> None:
-        await self._open()
+        # Requests wait until the hook (a worker's hello) has run on the new connection: a
+        # worker's report must never reach a node that does not know the worker yet.
+        await self._open(announce=False)
         if self.on_reconnect is not None:
-            await self.on_reconnect()
+            token = _handshake.set(True)
+            try:
+                await self.on_reconnect()
+            except ClientError:
+                pass  # the connection broke again; the reader schedules the next attempt
+            finally:
+                _handshake.reset(token)
+        if self._stream is not None:
+            self._connected.set()
 
     def _fail_waiting(self, error: ClientError) -> None:
         waiting, self._waiting = self._waiting, {}
@@ -223,7 +237,8 @@ class Client:
                 await trio.sleep(0.05)
 
     async def _request_once(self, op: str, args: dict[str, Any]) -> Any:
-        await self._connected.wait()
+        if not _handshake.get():
+            await self._connected.wait()
         stream = self._stream
         if stream is None:
             raise ConnectionLost("not connected")

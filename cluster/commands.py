@@ -347,9 +347,20 @@ CLIENT_COMMANDS: dict[str, Callable[[Client, argparse.Namespace], Awaitable[int]
 
 def serve(args: argparse.Namespace) -> int:
     from cluster.node import Node, NodeError
+    from engine.errors import EngineUsageError
+    from engine.schedules import parse_duration
+    from engine.shard import EngineConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    node = Node(args.data, host=args.host, port=args.port, shards=args.shards)
+    config = EngineConfig()
+    if args.worker_lease is not None:
+        try:
+            lease = parse_duration(args.worker_lease, field="--worker-lease")
+        except EngineUsageError as exc:
+            err_console.print(f"[red]error[/red] {exc}")
+            return 2
+        config = EngineConfig(worker_lease_ms=lease, reattach_grace_ms=2 * lease)
+    node = Node(args.data, host=args.host, port=args.port, shards=args.shards, config=config)
     try:
         trio.run(node.run)
     except NodeError as exc:

@@ -579,6 +579,7 @@ class Node:
                     "delivery": t.delivery,
                     "tier": t.tier,
                     "timeout_ms": t.timeout_ms,
+                    "on_timeout": t.on_timeout,
                     "task": t.task,
                 },
             )

@@ -20,7 +20,7 @@ import os
 import socket
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import trio
@@ -60,6 +60,7 @@ def ticket_of(run: dict[str, Any]) -> RunTicket:
         tier=run["tier"],
         timeout_ms=run["timeout_ms"],
         task=run["task"],
+        on_timeout=run.get("on_timeout", "kill"),
     )
 
 
@@ -123,7 +124,10 @@ class WorkerAgent:
         return max(0, self.slots - self._running() - len(self.waiting))
 
     def _held_list(self) -> list[list[Any]]:
-        return [[rid, h.ticket.token] for rid, h in self.held.items()]
+        """Every run this worker holds: running, finished but not yet acknowledged, and
+        dispatched but waiting for a slot (the node counts them as this worker's)."""
+        held = [[rid, h.ticket.token] for rid, h in self.held.items()]
+        return held + [[t.run_id, t.token] for t in self.waiting]
 
     async def _hello(self) -> None:
         result = await self.client.request(
@@ -212,8 +216,10 @@ class WorkerAgent:
                     code = await self.payload_handler(ticket, on_output)
                     outcome = "success" if code == 0 else "failed"
             else:
+                # "mark": the node records TIMED_OUT; the task runs on to its own end.
+                local = replace(ticket, timeout_ms=None) if ticket.on_timeout == "mark" else ticket
                 result = await run_task(
-                    ticket,
+                    local,
                     on_output=on_output,
                     handle=held.handle,
                     kill_grace_s=self.kill_grace_s,
@@ -263,6 +269,9 @@ class WorkerAgent:
                 await self.client.request(op, args, timeout_s=60)
                 return True
             except RemoteError as exc:
+                if exc.code == "not_a_worker":  # the node restarted and forgot us: hello first
+                    await self._hello()
+                    continue
                 log.warning("%s refused: %s", op, exc)
                 return True  # refused is an answer: the node will not want it again
             except ConnectionLost:

@@ -174,6 +174,9 @@ class RunTicket:
     tier: str
     timeout_ms: int | None
     task: dict[str, Any]
+    #: the job's timeout handler: "mark" means the worker lets the task run past its timeout
+    #: (the node records TIMED_OUT); any other handler, the worker stops it at the timeout
+    on_timeout: str = "kill"
 
 
 @dataclass(frozen=True)

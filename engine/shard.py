@@ -294,6 +294,9 @@ class ShardEngine:
         self._sources: dict[str, RunRef] = {}
         self._trigger_at: dict[int, int] = {}  # the last time given to a triggered run, per job
         self._workers: dict[str, _Worker] = {}
+        # on_timeout=mark: runs recorded TIMED_OUT whose task runs on, run id -> (token,
+        # worker), so that the worker's heartbeat is not told to stop it. Until its report.
+        self._marked: dict[str, tuple[int, str]] = {}
         self._ready: dict[str, deque[RunRef]] = {}
         # PENDING runs in memory per tier (ready, waiting for durability, a retry or a buffer):
         # what backpressure bounds.
@@ -1345,6 +1348,8 @@ class ShardEngine:
     def _renew(self, worker: _Worker, held: tuple[tuple[str, int], ...]) -> None:
         self._worker_timers.schedule(worker.slot, self._mono + self.config.worker_lease_ms)
         for rid, token in held:
+            if self._marked.get(rid) == (token, worker.worker_id):
+                continue  # timed out under "mark": it runs on to its own end
             run = self._run_by_id(rid)
             if run is None or run.token != token or run.state._value_ not in IN_FLIGHT_VALUES:
                 # A superseded or finished attempt: the worker must not carry on with it.
@@ -1376,6 +1381,8 @@ class ShardEngine:
             return
         worker = self._workers.pop(worker_id)
         self._free_slots.append(slot)
+        for rid in [rid for rid, (_t, w) in self._marked.items() if w == worker_id]:
+            del self._marked[rid]
         for ref in sorted(worker.runs):
             run = self._runs.get(ref)
             if run is not None and run.worker == worker_id:
@@ -1420,7 +1427,10 @@ class ShardEngine:
     def _arm_timeout(self, run: _Run) -> None:
         timeout = run.policy.timeout_ms
         if timeout is not None:
-            self._set_run_timer(run, "timeout", self._mono + timeout + self.config.timeout_grace_ms)
+            # The grace lets the worker's own stop act first; "mark" stops nothing, so the
+            # node records TIMED_OUT at the timeout itself.
+            grace = 0 if run.policy.on_timeout == "mark" else self.config.timeout_grace_ms
+            self._set_run_timer(run, "timeout", self._mono + timeout + grace)
 
     # =============================================================== dispatch
 
@@ -1492,6 +1502,7 @@ class ShardEngine:
             tier=policy.tier,
             timeout_ms=policy.timeout_ms,
             task=spec["task"],
+            on_timeout=policy.on_timeout,
         )
         if policy.delivery == "at_most_once" and "claim-after-fire" not in self.config.mutants:
             self._after_durable.append(Dispatch(worker.worker_id, ticket))  # claim first
@@ -1519,6 +1530,8 @@ class ShardEngine:
                 return run
         # A report of a superseded attempt (or of a run already final): kept in the history,
         # never changes the state.
+        if what not in ("started",) and self._marked.get(rid, (None, None))[0] == token:
+            del self._marked[rid]  # the marked task ended
         try:
             job_id, at = parse_run_id(rid)
         except EngineUsageError:
@@ -1578,7 +1591,10 @@ class ShardEngine:
         ):
             self._retry_later(run, RunEvent.TIME_OUT, run.timeouts, "timed out")
             return
+        worker = run.worker
         self._finalize(run, RunEvent.TIME_OUT, why="timed out")
+        if handler == "mark" and worker is not None and not confirmed:
+            self._marked[self._run_id(run)] = (run.token, worker)
         if handler == "trigger" and policy.on_timeout_target is not None:
             self._send_trigger(policy.on_timeout_target, run)
 

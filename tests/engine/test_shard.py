@@ -806,3 +806,22 @@ def test_a_waiting_at_most_once_run_goes_out_once_after_a_crash_as_attempt_one()
     node.flush()
     (ticket,) = node.tickets()
     assert ticket.attempt == 1
+
+
+def test_mark_records_timed_out_at_the_timeout_and_heartbeats_do_not_stop_the_task() -> None:
+    node = Node(config=cfg(timeout_grace_ms=5000))
+    worker(node, credits=1)
+    once(node, "m", timeout="1s", on_timeout="mark")
+    node.advance(1000)
+    (ticket,) = node.tickets()
+    assert ticket.on_timeout == "mark"
+    node.do(ReportStarted("w1", ticket.run_id, ticket.token))
+    node.advance(1000)  # the timeout itself, no grace: nothing is stopped under "mark"
+    assert node.final_states() == ["TIMED_OUT"] and node.kills == []
+    node.do(Heartbeat("w1", ((ticket.run_id, ticket.token),)))
+    assert node.kills == []  # the task runs on
+    node.do(ReportFinished("w1", ticket.run_id, ticket.token, "success", 0))
+    assert node.final_states() == ["TIMED_OUT"]  # the late report is a note
+    assert [r["what"] for r in node.durable_records if r["t"] == "note"] == ["success"]
+    node.do(Heartbeat("w1", ((ticket.run_id, ticket.token),)))
+    assert [k.reason for k in node.kills] == ["superseded"]  # after its end, no longer held

@@ -1,0 +1,302 @@
+"""The whole system with real processes on 127.0.0.1: a node, workers running real tasks, the
+CLI and the client library; SIGKILLs of the node and of workers in the middle of runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cluster.client import Client
+from tests.cluster.procs import NodeProc, WorkerProc, wait_until, with_client
+
+pytestmark = pytest.mark.timeout(120)
+
+FINAL = {"SUCCESS", "FAILED", "TIMED_OUT", "LOST", "CANCELLED", "SKIPPED"}
+
+
+def cli(port: int, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "cluster.cli", *args, "--connect", f"127.0.0.1:{port}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def history(port: int, job_id: str) -> list[dict[str, Any]]:
+    async def body(c: Client) -> list[dict[str, Any]]:
+        return await c.history(job_id, last=50)
+
+    return with_client(port, body)
+
+
+def settled(port: int, job_ids: list[str], n: int = 1) -> dict[str, list[dict[str, Any]]] | None:
+    """Each job's runs once each has at least ``n`` final runs and none in flight."""
+    out = {}
+    for job_id in job_ids:
+        runs = history(port, job_id)
+        if sum(r["state"] in FINAL for r in runs) < n or any(r["state"] not in FINAL for r in runs):
+            return None
+        out[job_id] = runs
+    return out
+
+
+def create(port: int, *specs: dict[str, Any]) -> None:
+    async def body(c: Client) -> None:
+        for spec in specs:
+            await c.create({"task": {"command": ["true"]}, **spec})
+
+    with_client(port, body)
+
+
+def in_s(seconds: float) -> dict[str, str]:
+    from engine.schedules import format_utc
+
+    return {"at": format_utc(int((time.time() + seconds) * 1000))}
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Any:
+    proc = NodeProc(tmp_path / "data", tmp_path / "node.log")
+    yield proc
+    proc.kill()
+
+
+def test_a_job_goes_from_submit_to_its_logs(tmp_path: Path, node: NodeProc) -> None:
+    worker = WorkerProc(node.port, tmp_path / "worker.log")
+    try:
+        done = cli(
+            node.port,
+            "submit",
+            "--id",
+            "hello",
+            "--in",
+            "1s",
+            "--json",
+            "--shell",
+            "echo hello from $TICKWHEEL_JOB_ID attempt $TICKWHEEL_ATTEMPT; echo oops >&2",
+        )
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)["job_id"] == "hello"
+        runs = wait_until(lambda: settled(node.port, ["hello"]))["hello"]
+        assert [r["state"] for r in runs] == ["SUCCESS"]
+        listed = json.loads(cli(node.port, "runs", "hello", "--json").stdout)
+        assert {"run_id", "job_id", "state", "scheduled_at", "attempt"} <= set(listed[0])
+        logs = cli(node.port, "logs", listed[0]["run_id"])
+        assert logs.stdout == "hello from hello attempt 1\n" and "oops" in logs.stderr
+        shown = cli(node.port, "run", listed[0]["run_id"], "--json")
+        assert json.loads(shown.stdout)["state"] == "SUCCESS"
+    finally:
+        worker.terminate()
+
+
+def test_each_timeout_handler(tmp_path: Path, node: NodeProc) -> None:
+    worker = WorkerProc(node.port, tmp_path / "worker.log", slots=6)
+    quick = {"retries": {"max": 0, "backoff": "200ms"}}
+    try:
+        create(
+            node.port,
+            {"id": "cleanup", "schedule": in_s(10**6), "task": {"shell": "echo cleaned"}},
+            {
+                "id": "t-kill",
+                "schedule": in_s(1),
+                "task": {"shell": "sleep 30"},
+                "timeout": "1s",
+                "on_timeout": "kill",
+            },
+            {
+                "id": "t-mark",
+                "schedule": in_s(1),
+                "task": {"shell": "sleep 2; echo finished"},
+                "timeout": "1s",
+                "on_timeout": "mark",
+            },
+            {
+                "id": "t-retry",
+                "schedule": in_s(1),
+                "task": {"shell": "sleep 30"},
+                "timeout": "1s",
+                "on_timeout": "retry:2",
+                **quick,
+            },
+            {
+                "id": "t-trigger",
+                "schedule": in_s(1),
+                "task": {"shell": "sleep 30"},
+                "timeout": "1s",
+                "on_timeout": "trigger:cleanup",
+            },
+        )
+        runs = wait_until(
+            lambda: settled(node.port, ["t-kill", "t-mark", "t-retry", "t-trigger", "cleanup"]),
+            timeout=60,
+        )
+        assert [r["state"] for r in runs["t-kill"]] == ["TIMED_OUT"]
+        assert [(r["state"], r["attempt"]) for r in runs["t-retry"]] == [("TIMED_OUT", 3)]
+        assert [r["state"] for r in runs["t-trigger"]] == ["TIMED_OUT"]
+        assert [r["state"] for r in runs["cleanup"]] == ["SUCCESS"]  # the triggered run
+        (mark,) = runs["t-mark"]
+        assert mark["state"] == "TIMED_OUT"
+        # mark lets the task finish: its output is all there.
+        logs = cli(node.port, "logs", mark["run_id"])
+        wait_until(lambda: "finished" in cli(node.port, "logs", mark["run_id"]).stdout, 10)
+        assert logs.returncode == 0
+    finally:
+        worker.terminate()
+
+
+def test_node_sigkill_loses_no_acknowledged_job_and_runs_at_most_once_jobs_once(
+    tmp_path: Path,
+) -> None:
+    data, executions = tmp_path / "data", tmp_path / "executions"
+    # A lease longer than a restart takes: the worker keeps its task and re-attaches it.
+    node = NodeProc(data, tmp_path / "node.log", lease="5s")
+    worker = WorkerProc(node.port, tmp_path / "worker.log", slots=1)
+    task = {"shell": f"sleep 2; echo $TICKWHEEL_RUN_ID >> {executions}"}
+    amo = [f"amo-{i}" for i in range(3)]
+    try:
+        create(
+            node.port,
+            *(
+                {"id": j, "schedule": in_s(1), "task": task, "delivery": "at_most_once"}
+                for j in amo
+            ),
+        )
+
+        async def bulk(c: Client) -> list[dict[str, Any]]:
+            return await c.create_many(
+                [
+                    {"id": f"bulk-{i}", "schedule": in_s(3600), "task": {"command": ["true"]}}
+                    for i in range(300)
+                ]
+            )
+
+        assert all(r["ok"] for r in with_client(node.port, bulk))  # acknowledged: durable
+        # One at-most-once run is running (one slot), two wait PENDING. Power off the node.
+        wait_until(lambda: any(r["state"] == "RUNNING" for j in amo for r in history(node.port, j)))
+        node.kill()
+        node = NodeProc(data, tmp_path / "node2.log", port=node.port, lease="5s")
+        runs = wait_until(lambda: settled(node.port, amo), timeout=60)
+        assert all([r["state"] for r in runs[j]] == ["SUCCESS"] for j in amo), runs
+        lines = executions.read_text().split()
+        assert sorted(lines) == sorted(r["run_id"] for j in amo for r in runs[j])  # once each
+
+        async def count(c: Client) -> int:
+            ids = [job["job_id"] async for job in c.list_jobs(page=100)]
+            return sum(1 for job_id in ids if job_id.startswith("bulk"))
+
+        assert with_client(node.port, count) == 300
+    finally:
+        worker.terminate()
+        node.kill()
+
+
+def _task_pids(pid_dir: Path) -> list[int]:
+    return [int(p.read_text()) for p in pid_dir.glob("*.pid") if p.read_text().strip()]
+
+
+def test_power_loss_of_node_and_worker_at_least_once_goes_out_again_at_most_once_is_lost(
+    tmp_path: Path,
+) -> None:
+    data, executions, pids = tmp_path / "data", tmp_path / "executions", tmp_path / "pids"
+    pids.mkdir()
+    node = NodeProc(data, tmp_path / "node.log")
+    worker = WorkerProc(node.port, tmp_path / "worker.log", slots=2)
+    task = {
+        "shell": f"echo $$ > {pids}/$TICKWHEEL_JOB_ID.pid; sleep 4; "
+        f"echo $TICKWHEEL_RUN_ID $TICKWHEEL_ATTEMPT >> {executions}"
+    }
+    try:
+        create(
+            node.port,
+            {"id": "alo", "schedule": in_s(1), "task": task},
+            {"id": "amo", "schedule": in_s(1), "task": task, "delivery": "at_most_once"},
+        )
+        wait_until(lambda: len(_task_pids(pids)) == 2)
+        worker.kill()
+        for pid in _task_pids(pids):  # the tasks die with their machine
+            os.kill(pid, signal.SIGKILL)
+        node.kill()
+        node = NodeProc(data, tmp_path / "node2.log")
+        worker = WorkerProc(node.port, tmp_path / "worker2.log", slots=2, worker_id="w2")
+        runs = wait_until(lambda: settled(node.port, ["alo", "amo"]), timeout=60)
+        assert [(r["state"], r["attempt"]) for r in runs["alo"]] == [("SUCCESS", 2)]
+        assert [r["state"] for r in runs["amo"]] == ["LOST"]
+        assert executions.read_text().split("\n")[:-1] == [f"{runs['alo'][0]['run_id']} 2"]
+    finally:
+        worker.terminate()
+        node.kill()
+
+
+def test_a_worker_sigkilled_mid_run(tmp_path: Path, node: NodeProc) -> None:
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    first = WorkerProc(node.port, tmp_path / "w1.log", slots=2, worker_id="w1")
+    task = {"shell": f"echo $$ > {pids}/$TICKWHEEL_JOB_ID.pid; sleep 3"}
+    create(
+        node.port,
+        {"id": "alo", "schedule": in_s(1), "task": task},
+        {"id": "amo", "schedule": in_s(1), "task": task, "delivery": "at_most_once"},
+    )
+    wait_until(lambda: len(_task_pids(pids)) == 2)
+    first.kill()
+    for pid in _task_pids(pids):
+        os.kill(pid, signal.SIGKILL)
+    second = WorkerProc(node.port, tmp_path / "w2.log", slots=2, worker_id="w2")
+    try:
+        runs = wait_until(lambda: settled(node.port, ["alo", "amo"]), timeout=60)
+        assert [(r["state"], r["attempt"], r["worker"]) for r in runs["alo"]] == [
+            ("SUCCESS", 2, "w2")
+        ]
+        assert [r["state"] for r in runs["amo"]] == ["LOST"]
+    finally:
+        second.terminate()
+
+
+def test_sigterm_stops_the_node_cleanly_and_it_restarts_without_replay(
+    tmp_path: Path,
+) -> None:
+    data = tmp_path / "data"
+    node = NodeProc(data, tmp_path / "node.log")
+    create(node.port, *({"id": f"j{i}", "schedule": in_s(3600)} for i in range(50)))
+    assert node.terminate() == 0
+    node = NodeProc(data, tmp_path / "node2.log")
+    try:
+        assert (
+            "50 pending jobs"
+            in (tmp_path / "node2.log").read_text().replace("shard 1: epoch 2, ", "")
+            or sum(
+                int(line.split(", ")[1].split()[0])
+                for line in (tmp_path / "node2.log").read_text().splitlines()
+                if "pending jobs" in line
+            )
+            == 50
+        )
+        refused = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "cluster.cli",
+                "serve",
+                "--data",
+                str(data),
+                "--port",
+                "0",
+                "--shards",
+                "3",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert refused.returncode == 2 and "shards" in refused.stderr
+    finally:
+        node.kill()
