@@ -125,9 +125,14 @@ class Node:
         """Store a columnar snapshot, as a store does once the batch it reflects is durable."""
         snap = self.engine.export_snapshot()
         assert not self.unacked or self.unacked[-1].batch_id <= snap.meta["batch"]
-        if self.unacked:
-            self.flush()  # the snapshot reflects these batches: it is stored after them
-        self.snapshot = (snap, len(self.durable_records))
+        # It reflects the batches handed out so far: it is stored once they are durable, and
+        # covers exactly their records (acknowledging them may fire or claim: later batches).
+        upto = snap.meta["batch"]
+        covered = len(self.durable_records) + sum(
+            len(b.records) for b in self.unacked if b.batch_id <= upto
+        )
+        self.flush(upto=upto)
+        self.snapshot = (snap, covered)
 
     def crash_and_recover(self, *, downtime_ms: int = 0, via_snapshot: bool = False) -> None:
         """Lose everything not acknowledged, then reopen the shard at the next epoch: from the
