@@ -1,0 +1,158 @@
+"""What the node benchmarks share: a real node process on a temporary data directory, the disk's
+own fsync rate beside it, and percentiles.
+
+Owns starting ``tickwheel serve --port 0`` as a subprocess on 127.0.0.1 (its port read from its
+"serving N shards on HOST:PORT" log line), stopping it with SIGTERM (it finishes its batches and
+closes its stores) and deleting the directory, and optional profiling: with
+``TICKWHEEL_BENCH_PROFILE=DIR`` set, the node (and any helper process a suite starts through
+:func:`python_argv`) runs under cProfile and leaves ``DIR/<name>.prof`` behind. Must never leave
+a process running or a directory behind, and never judge a figure.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+
+PROFILE_ENV = "TICKWHEEL_BENCH_PROFILE"
+_SERVING = re.compile(rb"serving \d+ shards on [\d.]+:(\d+)")
+START_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 60.0
+
+
+def python_argv(module: str, args: list[str], *, profile_name: str) -> list[str]:
+    """``python -m module args``, under cProfile when :data:`PROFILE_ENV` names a directory."""
+    profile_dir = os.environ.get(PROFILE_ENV)
+    if profile_dir:
+        Path(profile_dir).mkdir(parents=True, exist_ok=True)
+        out = str(Path(profile_dir) / f"{profile_name}.prof")
+        return [sys.executable, "-m", "cProfile", "-o", out, "-m", module, *args]
+    return [sys.executable, "-m", module, *args]
+
+
+class NodeProcess:
+    """A node serving a fresh temporary data directory; use as a context manager.
+
+    ``port`` is known once the context is entered. On exit the node gets SIGTERM and up to
+    :data:`STOP_TIMEOUT_S` to stop cleanly (then SIGKILL), and the directory is removed.
+    ``stop_s`` is how long the clean stop took.
+    """
+
+    def __init__(self, *, shards: int = 2, name: str = "node") -> None:
+        self.shards = shards
+        self.name = name
+        self.root = Path(tempfile.mkdtemp(prefix="tickwheel-bench-"))
+        self.data = self.root / "data"
+        self.log_path = self.root / "node.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.port = 0
+        self.stop_s = 0.0
+        self.returncode: int | None = None
+
+    def __enter__(self) -> NodeProcess:
+        argv = python_argv(
+            "cluster.cli",
+            ["serve", "--data", str(self.data), "--port", "0", "--shards", str(self.shards)],
+            profile_name=self.name,
+        )
+        try:
+            with open(self.log_path, "wb") as log:
+                # Its own session, so a Ctrl-C of the benchmark does not reach it twice.
+                self.proc = subprocess.Popen(
+                    argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                )
+            self.port = self._wait_port()
+        except BaseException:
+            self._stop()
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._stop()
+
+    def log_tail(self, chars: int = 3000) -> str:
+        try:
+            return self.log_path.read_bytes()[-chars:].decode(errors="replace")
+        except OSError:
+            return ""
+
+    def _wait_port(self) -> int:
+        assert self.proc is not None
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            found = _SERVING.search(self.log_path.read_bytes())
+            if found:
+                return int(found[1])
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the node exited at start:\n{self.log_tail()}")
+            time.sleep(0.02)
+        raise RuntimeError(f"the node did not start within {START_TIMEOUT_S} s")
+
+    def _stop(self) -> None:
+        try:
+            if self.proc is not None:
+                start = time.monotonic()
+                if self.proc.poll() is None:
+                    self.proc.send_signal(signal.SIGTERM)
+                try:
+                    self.returncode = self.proc.wait(STOP_TIMEOUT_S)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.returncode = self.proc.wait(10)
+                self.stop_s = time.monotonic() - start
+        finally:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+
+def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
+    """SIGTERM, wait, SIGKILL if it will not stop: never leave a helper process behind."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
+def fdatasync_rate(directory: Path, *, count: int, max_s: float, size: int = 128) -> float:
+    """One small write plus one fdatasync at a time, on the disk under ``directory``: what a
+    store that syncs every submit alone could reach at best. Up to ``count`` syncs or
+    ``max_s`` seconds; returns syncs per second."""
+    path = directory / "fdatasync.bin"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        record = b"x" * size
+        done = 0
+        start = time.perf_counter()
+        deadline = start + max_s
+        while done < count and (done < 10 or time.perf_counter() < deadline):
+            os.write(fd, record)
+            os.fdatasync(fd)
+            done += 1
+        return done / (time.perf_counter() - start)
+    finally:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """The ``q`` quantile (0..1) of already sorted values, nearest rank; 0.0 when empty."""
+    if not sorted_values:
+        return 0.0
+    rank = min(len(sorted_values) - 1, max(0, math.ceil(q * len(sorted_values)) - 1))
+    return sorted_values[rank]
