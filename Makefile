@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: install test lint bench fuzz clean
+.PHONY: install demo test lint bench fuzz clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -13,6 +13,10 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# A node and a worker on a fresh temporary data directory, four sample jobs, their runs and logs.
+demo: $(STAMP)
+	$(BIN)/python -m cluster.demo
 
 test: $(STAMP)
 	$(BIN)/pytest -q
