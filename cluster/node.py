@@ -72,7 +72,7 @@ from engine.schedules import format_utc, preview
 from engine.shard import EngineConfig, ShardEngine
 from wal.commit import GroupCommitter, Ticket
 from wal.errors import StoreError
-from wal.store import ShardStore
+from wal.store import Retention, ShardStore
 
 log = logging.getLogger("tickwheel.node")
 
@@ -471,8 +471,12 @@ class Node:
         shards: int | None = None,
         config: EngineConfig | None = None,
         max_frame: int = DEFAULT_MAX_FRAME,
+        retention: Retention | None = None,
+        retain_every_s: float = 60.0,
     ) -> None:
         self.data_dir = Path(data_dir)
+        self.retention = retention or Retention()
+        self.retain_every_s = retain_every_s
         self.host = host
         self.port = port
         self.requested_shards = shards
@@ -500,6 +504,7 @@ class Node:
                     self.nursery = nursery
                     for host in self.hosts:
                         nursery.start_soon(host.loop)
+                        nursery.start_soon(self._retain, host)
                     listeners = await nursery.start(
                         partial(trio.serve_tcp, self._serve_connection, self.port, host=self.host)
                     )
@@ -546,6 +551,20 @@ class Node:
         host = ShardHost(index, self, store, engine, GroupCommitter(store), token)
         host.initial = effects
         return host
+
+    async def _retain(self, host: ShardHost) -> None:
+        """Run history retention (by age and count per job), in the background, by ranges."""
+        while True:
+            await trio.sleep(self.retain_every_s)
+            if host.failed is not None:
+                return
+            try:
+                report = await trio.to_thread.run_sync(host.store.retain, wall_ms(), self.retention)
+            except StoreError as exc:
+                log.warning("shard %d: retention: %s", host.index, exc)
+                continue
+            while report.more:  # a backlog: keep going, one bounded pass at a time
+                report = await trio.to_thread.run_sync(host.store.retain, wall_ms(), self.retention)
 
     async def _close(self) -> None:
         for host in self.hosts:

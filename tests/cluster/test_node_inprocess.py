@@ -1,0 +1,159 @@
+"""The node and the client library in one Trio run: payload workers in user code, log follow,
+retention, job commands over the wire."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from cluster.client import Client, RemoteError
+from cluster.node import Node
+from cluster.worker import WorkerAgent
+from engine.effects import RunTicket
+from engine.schedules import format_utc
+from engine.shard import EngineConfig
+from wal.store import Retention
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def run_with_node(
+    tmp_path: Path,
+    body: Callable[[Client, int], Awaitable[None]],
+    **node_options: Any,
+) -> None:
+    async def main() -> None:
+        node = Node(
+            tmp_path / "data",
+            shards=2,
+            config=EngineConfig(worker_lease_ms=1000, reattach_grace_ms=2000),
+            **node_options,
+        )
+        with trio.fail_after(50):
+            async with trio.open_nursery() as nursery:
+                port = await nursery.start(node.run)
+                async with Client.connect("127.0.0.1", port) as client:
+                    await body(client, port)
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def soon(seconds: float) -> dict[str, str]:
+    return {"at": format_utc(int((time.time() + seconds) * 1000))}
+
+
+async def settle(client: Client, job_id: str, n: int = 1) -> list[dict[str, Any]]:
+    while True:
+        runs = await client.history(job_id, last=100)
+        final = [r for r in runs if r["state"] in ("SUCCESS", "FAILED", "TIMED_OUT", "LOST")]
+        if len(final) >= n:
+            return runs
+        await trio.sleep(0.05)
+
+
+def test_user_code_is_a_worker_for_payload_jobs(tmp_path: Path) -> None:
+    seen: list[tuple[str, Any, int]] = []
+
+    async def handler(ticket: RunTicket, out: Callable[[str, bytes], Awaitable[None]]) -> int:
+        seen.append((ticket.job_id, ticket.task["payload"], ticket.token))
+        await out("stdout", f"invoice {ticket.task['payload']['invoice']} sent\n".encode())
+        return 0 if ticket.task["payload"]["invoice"] != 13 else 1
+
+    async def body(client: Client, port: int) -> None:
+        agent = WorkerAgent(
+            "127.0.0.1", port, worker_id="billing-1", tiers=("billing",), payload_handler=handler
+        )
+        async with trio.open_nursery() as nursery:
+            await nursery.start(agent.run)
+            for n in (42, 13):
+                await client.create(
+                    {
+                        "id": f"inv-{n}",
+                        "schedule": soon(0.3),
+                        "task": {"payload": {"invoice": n}},
+                        "tier": "billing",
+                    }
+                )
+            ok = await settle(client, "inv-42")
+            bad = await settle(client, "inv-13")
+            assert [r["state"] for r in ok] == ["SUCCESS"]
+            assert [r["state"] for r in bad] == ["FAILED"]
+            chunks = [c async for c in client.follow_logs(ok[0]["run_id"])]
+            assert b"".join(c["data"] for c in chunks) == b"invoice 42 sent\n"
+            nursery.cancel_scope.cancel()
+        assert sorted(p["invoice"] for _j, p, _t in seen) == [13, 42]
+
+    run_with_node(tmp_path, body)
+
+
+def test_job_commands_over_the_wire(tmp_path: Path) -> None:
+    async def body(client: Client, port: int) -> None:
+        created = await client.create({"schedule": {"every": "1h"}, "task": {"shell": "true"}})
+        job_id = created["job_id"]
+        assert len(job_id) >= 16 and created["version"] == 1  # generated, time-sortable
+        with pytest.raises(RemoteError) as exists:
+            await client.create(
+                {"id": job_id, "schedule": {"every": "1h"}, "task": {"shell": "true"}}
+            )
+        assert exists.value.code == "exists" and exists.value.field == "id"
+        updated = await client.update(job_id, {"schedule": {"every": "2h"}})
+        assert updated["version"] == 2
+        assert (await client.pause(job_id))["paused"] is True
+        assert (await client.resume(job_id))["paused"] is False
+        got = await client.get(job_id)
+        assert got["spec"]["schedule"]["every"] == "2h"
+        preview = await client.preview(job_id=job_id, count=2)
+        assert len(preview["fires"]) == 2
+        await client.cancel(job_id)
+        with pytest.raises(RemoteError) as gone:
+            await client.get(job_id)
+        assert gone.value.code == "not_found"
+        with pytest.raises(RemoteError) as bad:
+            await client.create(
+                {"id": "x", "schedule": {"cron": "61 * * * *"}, "task": {"shell": "true"}}
+            )
+        assert bad.value.code == "invalid_schedule" and bad.value.field == "schedule.cron"
+        results = await client.create_many(
+            [
+                {"id": f"b{i}", "schedule": {"every": "1h"}, "task": {"shell": "true"}}
+                for i in range(50)
+            ]
+            + [{"id": "b0", "schedule": {}, "task": {}}]
+        )
+        assert [r["ok"] for r in results] == [True] * 50 + [False]
+        listed = [j["job_id"] async for j in client.list_jobs(page=7)]
+        assert sorted(listed) == sorted([job_id] + [f"b{i}" for i in range(50)])
+
+    run_with_node(tmp_path, body)
+
+
+def test_retention_keeps_the_newest_runs_of_a_job(tmp_path: Path) -> None:
+    async def handler(ticket: RunTicket, out: Callable[[str, bytes], Awaitable[None]]) -> int:
+        return 0
+
+    async def body(client: Client, port: int) -> None:
+        agent = WorkerAgent("127.0.0.1", port, payload_handler=handler)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(agent.run)
+            await client.create(
+                {"id": "tick", "schedule": {"every": "100ms"}, "task": {"payload": 1}}
+            )
+            while agent.completed < 15:
+                await trio.sleep(0.05)
+            await trio.sleep(0.5)  # a retention pass
+            runs = await client.history("tick", last=100)
+            assert 1 <= len(runs) <= 8, len(runs)  # 3 kept, plus those since the last pass
+            nursery.cancel_scope.cancel()
+
+    run_with_node(
+        tmp_path,
+        body,
+        retention=Retention(max_age_ms=None, max_runs_per_job=3),
+        retain_every_s=0.2,
+    )
