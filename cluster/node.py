@@ -223,11 +223,9 @@ class ShardHost:
                     break
             if not batch:
                 self.route(engine.tick(wall_ms(), mono_ms()))
-            for command in batch:
-                try:
-                    self.route(engine.handle(command, wall_ms(), mono_ms()))
-                except EngineError:
-                    log.exception("shard %d: engine refused %r", self.index, command)
+            else:
+                # One engine call, one batch for everything that arrived meanwhile.
+                self.route(engine.handle_many(batch, wall_ms(), mono_ms()))
             if self.since_snapshot >= SNAPSHOT_EVERY_RECORDS and not self.snapshot_pending:
                 self._start_snapshot()
             await trio.lowlevel.checkpoint()

@@ -483,8 +483,20 @@ class Policy:
     def to_dict(self) -> dict[str, object]:
         """The policy keys of a spec, every one present, durations canonical (msgpack-able).
 
-        ``parse_policy(p.to_dict()) == p`` for every validated ``p``.
+        ``parse_policy(p.to_dict()) == p`` for every validated ``p``. A fresh dict each call;
+        the rendering is cached per distinct policy (formatting durations is most of a create's
+        cost otherwise, and a shard has few distinct policies).
         """
+        cached = _POLICY_DICTS.get(self)
+        if cached is None:
+            if len(_POLICY_DICTS) >= _POLICY_DICT_CACHE:
+                _POLICY_DICTS.clear()
+            cached = _POLICY_DICTS[self] = self._render()
+        out = dict(cached)
+        out["retries"] = dict(cached["retries"])  # type: ignore[call-overload]
+        return out
+
+    def _render(self) -> dict[str, object]:
         return {
             "tier": self.tier,
             "timeout": None if self.timeout_ms is None else format_duration(self.timeout_ms),
@@ -501,6 +513,11 @@ class Policy:
             "max_catchup": self.max_catchup,
             "overlap": self.overlap,
         }
+
+
+#: Rendered policies (see :meth:`Policy.to_dict`), cleared when it reaches its bound.
+_POLICY_DICTS: dict[Policy, dict[str, object]] = {}
+_POLICY_DICT_CACHE: Final = 4096
 
 
 def _duration(value: object, field: str) -> int:
@@ -742,17 +759,19 @@ class JobSpec:
         """``command``, ``shell``, ``container`` or ``payload``."""
         return next(k for k in TASK_KINDS if k in self.task)
 
-    def to_dict(self) -> dict[str, object]:
+    def to_dict(self, *, copy_task: bool = True) -> dict[str, object]:
         """The normalized wire/storage form: every key present, defaults filled in.
 
         The schedule comes from its ``to_spec()`` (instants in UTC, an ``every`` with its
         explicit start), durations are canonical (``1h30m``), ``timeout`` is None when unset.
-        ``validate_job(s.to_dict(), now_ms=t) == s`` for any ``t``. A fresh deep copy each call.
+        ``validate_job(s.to_dict(), now_ms=t) == s`` for any ``t``. A fresh deep copy each call,
+        unless ``copy_task=False``: then the task is this spec's own (for a record that is only
+        encoded, never changed).
         """
         out: dict[str, object] = {
             "id": self.id,
             "schedule": self.schedule.to_spec(),
-            "task": copy.deepcopy(self.task),
+            "task": copy.deepcopy(self.task) if copy_task else self.task,
         }
         out.update(self.policy.to_dict())
         out["after"] = list(self.after)

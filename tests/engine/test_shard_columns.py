@@ -188,3 +188,27 @@ def test_pending_one_shot_jobs_cost_columns_not_objects() -> None:
     assert engine._recent == {} and engine._active == {} and engine._held_next == {}
     assert len(engine._profiles) == 1  # one-shot jobs with equal policies share a profile
     assert len(engine._ver) >= 2000 and engine._next_key == 2000
+
+
+def test_handle_many_decides_as_handling_one_by_one() -> None:
+    from engine.effects import CreateJob, Durable, Persist, Reply
+
+    def run(grouped: bool) -> tuple[dict[str, object], list[object]]:
+        engine = ShardEngine(epoch=1, wall_ms=T0, mono_ms=0)
+        commands = [
+            CreateJob(i, validate_job(spec(f"g{i % 7}", 1 + i % 3, task={"payload": i}), now_ms=T0))
+            for i in range(20)
+        ]
+        replies: list[object] = []
+        effects = (
+            engine.handle_many(commands, T0, 0)
+            if grouped
+            else [e for c in commands for e in engine.handle(c, T0, 0)]
+        )
+        for _ in range(3):
+            acks = [Durable(e.batch_id) for e in effects if isinstance(e, Persist)]
+            replies += [(e.request_id, e.error is None) for e in effects if isinstance(e, Reply)]
+            effects = engine.handle_many(acks, T0 + 5000, 5000) if acks else []
+        return engine.snapshot(), sorted(replies)
+
+    assert run(grouped=True) == run(grouped=False)
