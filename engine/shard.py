@@ -1232,7 +1232,11 @@ class ShardEngine:
     def _new_run(self, key: int, at: int, source: str | None = None) -> _Run | None:
         ref = (key, at)
         if ref in self._runs:
-            return None  # one run per fire time: a repeated creation is a no-op
+            # A run of this id (job id @ time) is still in flight: an earlier version's, whose
+            # job was cancelled or replaced around it. This fire time cannot have a run of its
+            # own (the id is the task's idempotency key); it is skipped as an overlap.
+            self._skip(key, at, at, 1, "overlap", source)
+            return None
         pid = self._prof[key]
         policy = self._profiles[pid].policy
         overlap = policy.overlap

@@ -825,3 +825,19 @@ def test_mark_records_timed_out_at_the_timeout_and_heartbeats_do_not_stop_the_ta
     assert [r["what"] for r in node.durable_records if r["t"] == "note"] == ["success"]
     node.do(Heartbeat("w1", ((ticket.run_id, ticket.token),)))
     assert [k.reason for k in node.kills] == ["superseded"]  # after its end, no longer held
+
+
+def test_a_recreated_jobs_fire_time_taken_by_a_run_still_in_flight_is_skipped_as_overlap() -> None:
+    # Found by fuzzing: cancel leaves the running run; the same id created again owes the same
+    # time, whose run id (job@ms) is taken. The time is accounted for, as an overlap skip.
+    node = Node()
+    worker(node, credits=1)
+    from engine.schedules import format_utc
+
+    node.create(id="r", schedule={"at": format_utc(node.wall)})
+    (ticket,) = node.tickets()
+    node.do(CancelJob(node.request(), "r"))  # the claimed run carries on
+    node.create(id="r", schedule={"at": format_utc(node.wall)})
+    node.advance(1)
+    assert [(s["lo"], s["why"]) for s in node.skips()] == [(ticket.scheduled_ms, "overlap")]
+    assert len(node.tickets()) == 1
