@@ -385,20 +385,21 @@ class ShardLease:
                 self._stop("lease may have expired", revoke=True)
                 self._poll_at = mono_ms  # try again at once (a new epoch)
             else:
-                # Renew on schedule; resend one that got no answer (both answers count).
-                newest = max(
-                    (s.mono for s in self._sent.values() if s.kind == "renew"), default=None
-                )
-                quiet = newest is None or mono_ms - newest >= cfg.retry_ms
-                if quiet and (mono_ms >= self._renew_at or newest is not None):
+                # Renew on schedule; resend one that got no answer (every answer counts).
+                newest = self._newest("renew")
+                if (newest is None and mono_ms >= self._renew_at) or (
+                    newest is not None and mono_ms - newest >= cfg.retry_ms
+                ):
                     self._send_renew(mono_ms)
         if self.state is LeaseState.READING:
-            if all(mono_ms - s.mono >= cfg.retry_ms for s in self._sent.values()):
+            newest = self._newest("read")
+            if newest is None or mono_ms - newest >= cfg.retry_ms:
                 self._read(mono_ms)
         elif self.state is LeaseState.WAITING and mono_ms >= self._acquire_at:
             self._send_acquire(mono_ms, fresh=True)
         elif self.state is LeaseState.ACQUIRING:
-            if all(mono_ms - s.mono >= cfg.retry_ms for s in self._sent.values()):
+            newest = self._newest("acquire")
+            if newest is None or mono_ms - newest >= cfg.retry_ms:
                 self._send_acquire(mono_ms, fresh=False)
         elif self.state is LeaseState.IDLE and self.want and mono_ms >= self._poll_at:
             self._read(mono_ms)
@@ -427,7 +428,10 @@ class ShardLease:
                 self._poll_at = mono_ms + self.config.poll_ms
         elif isinstance(response, Renewed):
             if sent is not None and sent.kind == "renew":
-                del self._sent[response.req]
+                # This answer supersedes every renew sent before it (lost ones included).
+                for req in [r for r, s in self._sent.items() if s.kind == "renew"]:
+                    if self._sent[req].mono <= sent.mono:
+                        del self._sent[req]
                 if self.state is LeaseState.ACTIVE and response.lease_id == self.lease_id:
                     self.deadline = max(self.deadline, sent.mono + self.config.safe_ms)
         elif isinstance(response, LeaseGone):
@@ -459,7 +463,11 @@ class ShardLease:
             times.append(self._acquire_at)
         elif self.state is LeaseState.IDLE and self.want:
             times.append(self._poll_at)
-        times += [s.mono + cfg.retry_ms for s in self._sent.values()]
+        if self._sent:
+            for kind in ("read", "acquire", "renew"):
+                newest = self._newest(kind)
+                if newest is not None:
+                    times.append(newest + cfg.retry_ms)  # when it is resent
         return min(times) if times else None
 
     def _check(self) -> None:
@@ -469,6 +477,8 @@ class ShardLease:
         else:
             assert self.lease_id is None
         assert all(s.first_mono <= s.mono for s in self._sent.values())
+        # Bounded: a renew is resent at most once per retry_ms until the deadline stops it.
+        assert len(self._sent) <= 2 + self.config.safe_ms // self.config.retry_ms
         if self.state is LeaseState.ACQUIRING:
             assert any(s.kind == "acquire" for s in self._sent.values())
 
@@ -481,6 +491,12 @@ class ShardLease:
     def _next_req(self) -> int:
         self._req += 1
         return self._req
+
+    def _newest(self, kind: str) -> int | None:
+        """When the newest request of ``kind`` in flight left (None: none in flight)."""
+        if not self._sent:
+            return None  # the common case: every request answered
+        return max((s.mono for s in self._sent.values() if s.kind == kind), default=None)
 
     def _forget(self, kind: str) -> None:
         for req in [r for r, s in self._sent.items() if s.kind == kind]:

@@ -400,6 +400,19 @@ def test_renewal_extends_from_its_send_time_and_fences_at_the_deadline() -> None
     assert not lease.may_act(lease.deadline)
 
 
+def test_an_answered_renew_supersedes_a_lost_one() -> None:
+    lease = ShardLease(node="a", shard=SHARD, config=CONFIG)
+    drive_to_active(lease)
+    (lost,) = lease.tick(CONFIG.renew_every_ms)
+    (again,) = lease.tick(CONFIG.renew_every_ms + CONFIG.retry_ms)
+    assert isinstance(lost, Renew) and isinstance(again, Renew) and again.req != lost.req
+    lease.on_response(Renewed(again.req, SHARD, 77, T0 + 1_400), 1_410, T0 + 1_410)
+    # Nothing is in flight any more: no resend, and the next wakeup is the next renewal.
+    assert lease.tick(1_410 + CONFIG.retry_ms) == []
+    assert lease.next_wakeup_mono() == 2 * CONFIG.renew_every_ms + CONFIG.retry_ms
+    lease._check()
+
+
 def test_no_self_fence_mutant_keeps_acting() -> None:
     config = NoSelfFenceMachine.config
     lease = ShardLease(node="a", shard=SHARD, config=config)

@@ -1,0 +1,396 @@
+"""What must hold after every simulated run, judged on ground truth (issue 4):
+
+1. every owed fire time is accounted for: by a run that finished or is really in progress at
+   the end, or by a SKIPPED record whose reason the job's policies allow;
+2. no at-most-once run executed twice (a second execution needs a confirmed final report of
+   the first);
+3. no run started before its scheduled time by more than the skew bound;
+4. every acknowledged create or update exists in the shard's durable log;
+5. never two nodes (or two incarnations of one) acting for one shard under the same epoch;
+6. no write or dispatch of a node accepted after that node's lease expired in the
+   coordinator's view: a node never decides one after the coordinator let its lease lapse,
+   and no store or worker takes one stamped with an epoch older than one it has already
+   been opened or contacted under (the zombie's late delivery is what the fence is for).
+
+Owns the :class:`Observer` (drivers report what happened as it happens: actions, executions,
+acknowledgements) and :func:`final_checks` (the durable logs at the end). Must never change
+what it observes.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from engine.effects import RunTicket
+from engine.records import expand
+from engine.runs import FINAL_VALUES
+from engine.schedules import Schedule, parse_schedule
+from sim.config import T0
+
+if TYPE_CHECKING:
+    from sim.node import SimNode
+    from sim.world import World
+
+
+@dataclass(frozen=True)
+class Violation:
+    """A broken promise: which check, what happened, and the names a trace excerpt of the
+    re-run should follow."""
+
+    check: str
+    message: str
+    focus: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"check": self.check, "message": self.message}
+
+
+@dataclass(slots=True)
+class Execution:
+    """One task execution on a worker, from dispatch to its end."""
+
+    worker: str
+    shard: int
+    run_id: str
+    attempt: int
+    token: int
+    delivery: str
+    scheduled_ms: int
+    start: int  # simulated ms
+    end: int | None = None
+    outcome: str | None = None
+    reported: bool = False
+
+
+class Observer:
+    """Collects ground truth while the simulation runs; some checks answer at once."""
+
+    def __init__(self, world: World) -> None:
+        self.w = world
+        self.violations: list[Violation] = []
+        self.executions: list[Execution] = []
+        self.first_start: dict[str, int] = {}  # run id -> its first execution's start
+        self.lateness: list[tuple[int, int]] = []  # (start, ms late) of first executions
+        self.early = 0
+        self.acks: dict[str, int] = {}  # job id -> highest acknowledged version
+        self.faults: list[tuple[int, int, str, str]] = []  # (start, end, kind, target)
+        self._actor: dict[tuple[int, int], tuple[str, int]] = {}
+        self._late_actors: set[tuple[str, int, int, int]] = set()
+
+    def fault(self, start: int, end: int, kind: str, target: str) -> None:
+        self.faults.append((start, end, kind, target))
+        self.w.kernel.trace("fault", kind, target, end - start)
+
+    # ---------------------------------------------------------------- nodes (checks 5, 6)
+
+    def acted(self, node: SimNode, shard: int, epoch: int, decided_at: int, what: str) -> None:
+        """``node`` decided a write or dispatch for ``shard`` under ``epoch`` at ``decided_at``."""
+        key = (shard, epoch)
+        actor = (node.name, node.incarnation)
+        first = self._actor.setdefault(key, actor)
+        if first != actor:
+            self._violate(
+                "one-actor-per-epoch",
+                f"shard {shard} epoch {epoch}: {actor[0]}#{actor[1]} acted ({what}) after "
+                f"{first[0]}#{first[1]}",
+                f"s{shard}",
+                node.name,
+            )
+        if not self.w.coord.live(shard, epoch, decided_at):
+            late = (node.name, node.incarnation, shard, epoch)
+            if late not in self._late_actors:
+                self._late_actors.add(late)
+                tenure = self.w.coord.tenures.get(key)
+                ended = None if tenure is None else tenure.ended_at
+                self._violate(
+                    "acted-after-lease",
+                    f"{node.name} decided a {what} for shard {shard} under epoch {epoch} at "
+                    f"{decided_at} ms; the coordinator ended that lease at {ended} ms",
+                    f"s{shard}",
+                    node.name,
+                )
+
+    def stale_dispatch(self, worker: str, shard: int, ticket: RunTicket, newest: int) -> None:
+        self._violate(
+            "stale-dispatch-accepted",
+            f"{worker} ran {ticket.run_id} (token {ticket.token}, epoch "
+            f"{ticket.token >> 32}) after shard {shard}'s owner at epoch {newest} contacted it",
+            ticket.run_id,
+            worker,
+        )
+
+    # ---------------------------------------------------------------- workers (checks 2, 3)
+
+    def started(self, worker: str, shard: int, ticket: RunTicket) -> Execution:
+        now = self.w.kernel.now
+        execution = Execution(
+            worker,
+            shard,
+            ticket.run_id,
+            ticket.attempt,
+            ticket.token,
+            ticket.delivery,
+            ticket.scheduled_ms,
+            now,
+        )
+        self.executions.append(execution)
+        cluster_now = T0 + now
+        if cluster_now < ticket.scheduled_ms - self.w.config.skew_bound_ms:
+            self.early += 1
+            self._violate(
+                "early",
+                f"{ticket.run_id} started at {cluster_now}, "
+                f"{ticket.scheduled_ms - cluster_now} ms before its time (bound "
+                f"{self.w.config.skew_bound_ms} ms)",
+                ticket.run_id,
+            )
+        if ticket.run_id not in self.first_start:
+            self.first_start[ticket.run_id] = now
+            self.lateness.append((now, cluster_now - ticket.scheduled_ms))
+        return execution
+
+    def ended(self, execution: Execution, outcome: str, *, reported: bool) -> None:
+        execution.end, execution.outcome, execution.reported = (
+            self.w.kernel.now,
+            outcome,
+            reported,
+        )
+
+    # ---------------------------------------------------------------- clients (check 4)
+
+    def acked(self, job_id: str, version: int) -> None:
+        if version > self.acks.get(job_id, 0):
+            self.acks[job_id] = version
+
+    def _violate(self, check: str, message: str, *focus: str) -> None:
+        self.violations.append(Violation(check, message, tuple(focus)))
+
+
+# ==================================================================== the checks at the end
+
+
+_SKIP_REASONS = frozenset({"catchup", "paused", "overlap", "updated", "cancelled"})
+
+
+@dataclass(slots=True)
+class _Key:
+    """One job key's accounting while its shard's log is replayed."""
+
+    job_id: str
+    spec: dict[str, Any]
+    schedule: Schedule
+    created: int | None = None  # acct of the first position after this version's record
+    acct: int = 0
+    runs: set[int] | None = None
+    skips: list[tuple[int, int]] | None = None
+    paused_ever: bool = False
+
+
+@dataclass
+class Totals:
+    runs: int = 0
+    missed: int = 0
+    double_executed: int = 0
+    stuck: int = 0
+
+
+def final_checks(world: World) -> tuple[list[Violation], Totals]:
+    """Checks 1, 2, 4 and the durable half of 6 on the state at the end of the run."""
+    out: list[Violation] = []
+    totals = Totals()
+    for store in world.stores:
+        _check_log(world, store.shard, out, totals)
+    _check_amo(world, out, totals)
+    return out, totals
+
+
+def _schedule_of(spec: dict[str, Any], cache: dict[str, Schedule]) -> Schedule:
+    raw = spec["schedule"]
+    key = f"{spec['id']}|{sorted(raw.items())}"
+    found = cache.get(key)
+    if found is None:
+        found = cache[key] = parse_schedule(raw, created_ms=T0, job_id=spec["id"])
+    return found
+
+
+def _check_log(world: World, shard: int, out: list[Violation], totals: Totals) -> None:
+    store = world.stores[shard]
+    cfg = world.config
+    keys: dict[int, _Key] = {}
+    versions: dict[str, int] = {}  # job id -> highest durable version
+    last_run: dict[tuple[int, int], tuple[dict[str, Any], int]] = {}  # (key, at) -> (rec, time)
+    cache: dict[str, Schedule] = {}
+    newest_epoch = 0
+    interleaved = False
+
+    def verify(k: _Key) -> None:
+        if k.created is None:
+            return
+        t = k.schedule.next_after(k.created)
+        runs, skips = k.runs or set(), k.skips or []
+        while t is not None and t <= k.acct:
+            if t not in runs and not any(lo <= t <= hi for lo, hi in skips):
+                totals.missed += 1
+                out.append(
+                    Violation(
+                        "owed-fire-time",
+                        f"job {k.job_id} (shard {shard}): fire time {t} owed, neither run "
+                        f"nor skipped",
+                        (k.job_id,),
+                    )
+                )
+                return  # one per job version is enough
+            t = k.schedule.next_after(t)
+
+    for batch in store.batches:
+        if batch.epoch < newest_epoch and not interleaved:
+            interleaved = True
+            out.append(
+                Violation(
+                    "interleaved-epochs",
+                    f"shard {shard}: a batch of epoch {batch.epoch} (from {batch.writer}) is "
+                    f"durable after epoch {newest_epoch}'s: two owners wrote into one log",
+                    (f"s{shard}", batch.writer),
+                )
+            )
+        newest_epoch = max(newest_epoch, batch.epoch)
+        for raw in batch.records:
+            for r in expand(raw) if raw["t"] == "fire" else (raw,):
+                kind = r["t"]
+                if kind == "run":
+                    ref = (r["key"], r["at"])
+                    if ref not in last_run:
+                        totals.runs += 1
+                    last_run[ref] = (r, batch.durable_at)
+                    k = keys.get(r["key"])
+                    if k is not None:
+                        if k.runs is None:
+                            k.runs = set()
+                        k.runs.add(r["at"])
+                elif kind == "pos":
+                    k = keys[r["key"]]
+                    if k.created is None:
+                        k.created = r["acct"]
+                    k.acct = r["acct"]
+                    k.paused_ever = k.paused_ever or r["paused"]
+                elif kind == "job":
+                    old = keys.get(r["key"])
+                    if old is not None:
+                        verify(old)  # the old version's span ends here
+                    spec = r["spec"]
+                    keys[r["key"]] = _Key(
+                        r["id"],
+                        spec,
+                        _schedule_of(spec, cache),
+                        paused_ever=bool(spec.get("paused"))
+                        or (old is not None and old.paused_ever),
+                    )
+                    versions[r["id"]] = max(versions.get(r["id"], 0), r["ver"])
+                elif kind == "skip":
+                    k = keys[r["key"]]
+                    why = r["why"]
+                    allowed = (
+                        why in _SKIP_REASONS
+                        and (why != "overlap" or k.spec["overlap"] in ("skip", "buffer_one"))
+                        and (why != "paused" or k.paused_ever)
+                    )
+                    if not allowed:
+                        out.append(
+                            Violation(
+                                "skip-reason",
+                                f"job {k.job_id}: skip {r['lo']}..{r['hi']} for {why!r}, which "
+                                f"its policies ({k.spec['overlap']}, paused={k.paused_ever}) "
+                                "do not allow",
+                                (k.job_id,),
+                            )
+                        )
+                    if k.skips is None:
+                        k.skips = []
+                    k.skips.append((r["lo"], r["hi"]))
+    for k in keys.values():
+        verify(k)
+
+    # Check 4: what clients were told is durable.
+    for job_id, version in world.observer.acks.items():
+        if world.shard_of(job_id) == shard and versions.get(job_id, 0) < version:
+            out.append(
+                Violation(
+                    "acknowledged-submit",
+                    f"job {job_id} version {version} was acknowledged; the log of shard "
+                    f"{shard} has version {versions.get(job_id)}",
+                    (job_id,),
+                )
+            )
+
+    # Check 1, second half: a run is final, or really in progress at the end.
+    running = {(e.run_id, e.token) for e in world.observer.executions if e.end is None}
+    stop = world.kernel.now
+    in_flight_slack = (
+        cfg.engine.worker_lease_ms + cfg.engine.reattach_grace_ms + cfg.engine.timeout_grace_ms
+    ) + 60_000
+    ids = {key: k.job_id for key, k in keys.items()}
+    for (key, at), (r, when) in last_run.items():
+        state = r["state"]
+        if state in FINAL_VALUES:
+            continue
+        rid = f"{ids.get(key, key)}@{at}"
+        age = stop - when
+        if state in ("CLAIMED", "RUNNING"):
+            if (rid, r["tok"]) in running or age < in_flight_slack:
+                continue
+            what = f"{state} by {r['w']} (token {r['tok']}) since {when} ms, and nobody runs it"
+        else:  # PENDING
+            due = r.get("due")
+            if r.get("buf") or (due is not None and due > T0 + stop - 60_000) or age < 5 * 60_000:
+                continue
+            what = f"PENDING since {when} ms"
+        totals.stuck += 1
+        out.append(Violation("stuck-run", f"shard {shard}: run {rid} {what}", (rid,)))
+
+    # Check 6, the store's half: a stale owner's write accepted.
+    for at, writer, stamped, newest in store.stale_accepted:
+        tenure = world.coord.tenures.get((shard, stamped))
+        ended = None if tenure is None else tenure.ended_at
+        out.append(
+            Violation(
+                "stale-write-accepted",
+                f"shard {shard}: {writer}'s write stamped epoch {stamped} accepted at {at} ms, "
+                f"after epoch {newest} opened the store (its lease ended at {ended} ms)",
+                (f"s{shard}", writer),
+            )
+        )
+        break
+
+
+def _check_amo(world: World, out: list[Violation], totals: Totals) -> None:
+    by_run: defaultdict[str, list[Execution]] = defaultdict(list)
+    for e in world.observer.executions:
+        if e.delivery == "at_most_once":
+            by_run[e.run_id].append(e)
+    for run_id, executions in by_run.items():
+        if len(executions) < 2:
+            continue
+        executions.sort(key=lambda e: (e.start, e.token))
+        for a, b in itertools.pairwise(executions):
+            confirmed = (
+                a.reported
+                and a.outcome in ("failed", "timed_out", "killed")
+                and a.end is not None
+                and a.end <= b.start
+                and b.attempt > a.attempt
+            )
+            if not confirmed:
+                totals.double_executed += 1
+                out.append(
+                    Violation(
+                        "at-most-once-executed-twice",
+                        f"{run_id}: attempt {a.attempt} (token {a.token}, {a.worker}, "
+                        f"{a.start}..{a.end} {a.outcome}) and attempt {b.attempt} (token "
+                        f"{b.token}, {b.worker}, from {b.start})",
+                        (run_id,),
+                    )
+                )
+                break

@@ -1,0 +1,76 @@
+"""The simulation's bare machinery: simulated time, callbacks, seeded randomness, the trace.
+
+Owns how everything else schedules work (:meth:`Kernel.later`, on SimPy's event queue, whose
+order for equal times is insertion order, hence deterministic), how each part gets its own
+random stream (``random.Random`` seeded from the run's seed and the part's name, never the
+global one), and the trace: a hash over every line (``trace_hash``), the last lines for an
+excerpt, and, on a re-run, the lines that name what a violation is about. Must never make a
+decision about the cluster: that is the engine's, and the drivers' (``sim.node`` ...).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import simpy
+
+
+class Trace:
+    """Every notable event, as one line ``"<ms> <kind> <fields...>"``.
+
+    All lines feed a blake2b hash, so the same seed and options give the same ``digest``
+    (and a changed behaviour a different one). Only the last ``keep`` lines are kept, plus,
+    when ``focus`` is set, every line containing one of its strings (a re-run of a violating
+    seed keeps what the violation is about). Cost: one f-string and one hash update per line.
+    """
+
+    __slots__ = ("_env", "_hash", "focus", "focused", "lines", "recent")
+
+    def __init__(self, env: simpy.Environment, *, keep: int, focus: frozenset[str]) -> None:
+        self._env = env
+        self._hash = hashlib.blake2b(digest_size=16)
+        self.recent: deque[str] = deque(maxlen=keep)
+        self.focus = tuple(sorted(focus))
+        self.focused: list[str] = []
+        self.lines = 0
+
+    def __call__(self, kind: str, *fields: object) -> None:
+        line = f"{self._env.now} {kind} {' '.join(map(str, fields))}"
+        self._hash.update(line.encode())
+        self._hash.update(b"\n")
+        self.lines += 1
+        self.recent.append(line)
+        if self.focus and any(f in line for f in self.focus):
+            self.focused.append(line)
+
+    def digest(self) -> str:
+        return self._hash.hexdigest()
+
+
+class Kernel:
+    """Simulated time in integer ms since T0, callbacks at later times, random streams."""
+
+    __slots__ = ("env", "seed", "trace")
+
+    def __init__(self, seed: int, *, keep: int, focus: frozenset[str]) -> None:
+        self.seed = seed
+        self.env = simpy.Environment(initial_time=0)
+        self.trace = Trace(self.env, keep=keep, focus=focus)
+
+    @property
+    def now(self) -> int:
+        return int(self.env.now)
+
+    def later(self, delay: int, fn: Callable[..., Any], *args: Any) -> None:
+        """Call ``fn(*args)`` after ``delay`` ms (0: after what is already due now)."""
+        event = self.env.timeout(delay if delay > 0 else 0)
+        event.callbacks.append(lambda _event: fn(*args))
+
+    def rng(self, name: str) -> random.Random:
+        """A random stream of its own for the part called ``name``: adding draws in one part
+        leaves the others' draws unchanged."""
+        return random.Random(f"{self.seed}/{name}")

@@ -1,0 +1,89 @@
+"""The simulated network: latency, loss, partitions, FIFO per link.
+
+Owns message delivery between named endpoints (``n0``..., ``w0``..., ``coord``, ``client``).
+A link keeps order (TCP): a message never overtakes an earlier one on the same link. A lost
+message on a connection that notices (a worker's) resets it: both ends are told, as a TCP
+peer would be. Partitions cut pairs of endpoints both ways; a message sent into a cut, or
+arriving while its link is cut, is dropped silently (the connection just hangs). Must never
+look inside messages: it moves callables and their arguments.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Any
+
+from sim.kernel import Kernel
+
+
+class Network:
+    __slots__ = ("_cut", "_k", "_last", "_rng", "delivered", "dropped", "loss")
+
+    def __init__(self, kernel: Kernel, rng: random.Random, *, loss: float) -> None:
+        self._k = kernel
+        self._rng = rng
+        self.loss = loss
+        self._last: dict[tuple[str, str], int] = {}
+        self._cut: dict[tuple[str, str], int] = {}  # (a, b) with a < b -> number of cuts
+        self.delivered = 0
+        self.dropped = 0
+
+    # ---------------------------------------------------------------- partitions
+
+    @staticmethod
+    def _pair(a: str, b: str) -> tuple[str, str]:
+        return (a, b) if a < b else (b, a)
+
+    def cut(self, a: str, b: str) -> None:
+        pair = self._pair(a, b)
+        self._cut[pair] = self._cut.get(pair, 0) + 1
+
+    def heal(self, a: str, b: str) -> None:
+        pair = self._pair(a, b)
+        left = self._cut.get(pair, 0) - 1
+        if left > 0:
+            self._cut[pair] = left
+        else:
+            self._cut.pop(pair, None)
+
+    def is_cut(self, a: str, b: str) -> bool:
+        return bool(self._cut) and self._pair(a, b) in self._cut
+
+    # ---------------------------------------------------------------- delivery
+
+    def latency(self) -> int:
+        """1 ms plus an exponential tail with a 2 ms mean."""
+        return 1 + int(self._rng.expovariate(0.5))
+
+    def send(
+        self,
+        src: str,
+        dst: str,
+        fn: Callable[..., Any],
+        *args: Any,
+        on_reset: Callable[[], None] | None = None,
+    ) -> None:
+        """Deliver ``fn(*args)`` at ``dst`` after a latency, unless cut or lost. A lost message
+        with ``on_reset`` calls it (at the sender's side of the connection) instead."""
+        if self._cut and self.is_cut(src, dst):
+            self.dropped += 1
+            return
+        if self.loss and self._rng.random() < self.loss:
+            self.dropped += 1
+            self._k.trace("lost", src, dst)
+            if on_reset is not None:
+                self._k.later(self.latency(), on_reset)
+            return
+        now = self._k.now
+        link = (src, dst)
+        at = max(now + self.latency(), self._last.get(link, 0))
+        self._last[link] = at
+        self._k.later(at - now, self._arrive, src, dst, fn, args)
+
+    def _arrive(self, src: str, dst: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        if self._cut and self.is_cut(src, dst):
+            self.dropped += 1
+            return
+        self.delivered += 1
+        fn(*args)

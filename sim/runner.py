@@ -1,0 +1,142 @@
+"""Many seeds: run them, stop at the first violation when a mutant is on, summarise.
+
+Owns the loop over seeds, the re-run of a violating seed that collects a trace excerpt about
+what the violation names (the simulation is deterministic, so the re-run is the same run
+with a focused trace), and the aggregate every output is made from (:class:`Summary`). Must
+never judge a run itself: the checks are ``sim.checks``'s.
+"""
+
+from __future__ import annotations
+
+import time
+from array import array
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from sim.config import SimConfig
+from sim.world import SeedResult, run_seed
+
+#: Trace lines kept per violation in the excerpt.
+EXCERPT_LINES = 40
+
+
+@dataclass
+class Summary:
+    """Everything the CLI prints or writes, over all seeds run."""
+
+    config: SimConfig
+    seeds_run: int = 0
+    first_seed: int = 0
+    trace_hash: str = ""  # of the first seed
+    runs: int = 0
+    executions: int = 0
+    missed: int = 0
+    double_executed: int = 0
+    early: int = 0
+    stuck: int = 0
+    violations: list[dict[str, Any]] = field(default_factory=list)
+    stopped_at: int | None = None  # the seed a mutant run stopped at
+    elapsed_s: float = 0.0
+    seed_seconds: list[float] = field(default_factory=list)
+    lateness: array[int] = field(default_factory=lambda: array("q"))
+    first: SeedResult | None = None  # the first seed's result, with its samples, for plots
+    stats: dict[str, int] = field(default_factory=dict)
+
+    def percentile(self, q: float) -> int | None:
+        if not self.lateness:
+            return None
+        ordered = sorted(self.lateness)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    def to_dict(self) -> dict[str, Any]:
+        cfg = self.config
+        return {
+            "seeds": self.seeds_run,
+            "first_seed": self.first_seed,
+            "violations": self.violations,
+            "trace_hash": self.trace_hash,
+            "runs": self.runs,
+            "executions": self.executions,
+            "lateness_ms": {
+                "p50": self.percentile(0.50),
+                "p99": self.percentile(0.99),
+                "max": max(self.lateness) if self.lateness else None,
+            },
+            "missed": self.missed,
+            "double_executed": self.double_executed,
+            "early": self.early,
+            "stuck": self.stuck,
+            "mutant": cfg.mutant,
+            "caught_at_seed": self.stopped_at,
+            "faults": sorted(cfg.faults),
+            "nodes": cfg.nodes,
+            "workers": cfg.workers,
+            "jobs": cfg.jobs,
+            "hours": cfg.hours,
+            "elapsed_s": round(self.elapsed_s, 3),
+            "seconds_per_seed": {
+                "mean": round(sum(self.seed_seconds) / len(self.seed_seconds), 3)
+                if self.seed_seconds
+                else None,
+                "max": round(max(self.seed_seconds), 3) if self.seed_seconds else None,
+            },
+            "stats": self.stats,
+        }
+
+
+def excerpt(config: SimConfig, result: SeedResult) -> list[str]:
+    """The trace lines about the first violations of ``result``, from a re-run of its seed."""
+    focus: set[str] = set()
+    for violation in result.violations[:3]:
+        focus.update(violation.focus)
+    if not focus:
+        return result.excerpt[-EXCERPT_LINES:]
+    again = run_seed(replace(config, trace_focus=frozenset(focus), samples=False))
+    if again.trace_hash != result.trace_hash:  # determinism is itself a promise
+        return [f"re-run of seed {config.seed} diverged: {again.trace_hash}", *again.excerpt]
+    return again.excerpt[-EXCERPT_LINES:]
+
+
+def run_seeds(
+    config: SimConfig,
+    count: int,
+    *,
+    on_seed: Callable[[SeedResult], None] | None = None,
+) -> Summary:
+    """Run seeds ``config.seed`` .. ``config.seed + count - 1``. With a mutant, stop at the
+    first seed that violates anything (the mutant is caught). Only the first seed keeps its
+    samples for plots."""
+    summary = Summary(config=config, first_seed=config.seed)
+    started = time.perf_counter()
+    for i in range(count):
+        cfg = replace(config, seed=config.seed + i, samples=config.samples and i == 0)
+        result = run_seed(cfg)
+        summary.seeds_run += 1
+        summary.seed_seconds.append(result.elapsed_s)
+        if i == 0:
+            summary.trace_hash = result.trace_hash
+            summary.first = result
+        summary.runs += result.runs
+        summary.executions += result.executions
+        summary.missed += result.missed
+        summary.double_executed += result.double_executed
+        summary.early += result.early
+        summary.stuck += result.stuck
+        summary.lateness.extend(late for _t, late in result.lateness)
+        for key, value in result.stats.items():
+            summary.stats[key] = summary.stats.get(key, 0) + int(value)
+        if result.violations:
+            lines = excerpt(cfg, result)
+            for violation in result.violations:
+                summary.violations.append(
+                    {"seed": cfg.seed, **violation.to_dict(), "trace": lines[-EXCERPT_LINES:]}
+                )
+                lines = []  # the excerpt once per seed
+        if on_seed is not None:
+            on_seed(result)
+        if result.violations and config.mutant is not None:
+            summary.stopped_at = cfg.seed
+            break
+    summary.elapsed_s = time.perf_counter() - started
+    return summary
