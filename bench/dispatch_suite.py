@@ -37,13 +37,13 @@ from cluster.worker import WorkerAgent
 from engine.effects import RunTicket
 from engine.schedules import format_utc
 
-DEFAULT_JOBS = 20_000
+DEFAULT_JOBS = 10_000
 PROCESSES = 2  # worker processes
 AGENTS = 2  # worker agents (connections) per process
 SLOTS = 32  # per agent
 BATCH = 1_000
 PRELOAD_CAP_S = 40.0
-RUN_CAP_S = 60.0
+RUN_CAP_S = 45.0
 SAMPLE = 2_000  # runs read back after the clock stops
 TARGET = 10_000
 
