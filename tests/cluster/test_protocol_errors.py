@@ -516,3 +516,46 @@ def test_a_thousand_pipelined_requests_all_get_their_replies(tmp_path: Path) -> 
         await raw.aclose()
 
     run_with_node(tmp_path, body)
+
+
+# =============================================================================== the document
+
+
+def _codes(root: type) -> set[str]:
+    found: set[str] = set()
+    todo = [root]
+    while todo:
+        cls = todo.pop()
+        found.add(str(cls.__dict__.get("code", getattr(cls, "code", ""))))
+        todo.extend(cls.__subclasses__())
+    return found
+
+
+def test_protocol_md_documents_every_op_and_every_error_code() -> None:
+    """docs/protocol.md drifts from the code the moment an op or a code is added: catch it."""
+    from cluster import protocol
+    from engine.errors import EngineError
+    from wal.errors import StoreError
+
+    doc = (Path(__file__).parents[2] / "docs" / "protocol.md").read_text()
+    headings = [line for line in doc.splitlines() if line.startswith("#")]
+    for op in protocol.OPS:
+        assert any(f"`{op}`" in h for h in headings), f"op {op} has no section"
+        for arg in protocol.OPS[op]:
+            assert f"| `{arg}` |" in doc, f"argument {op}.{arg} is not documented"
+    wire_codes = {
+        "malformed",
+        "frame_too_large",
+        "bad_request",
+        "unknown_op",
+        "bad_args",
+        "not_a_worker",
+        "internal",
+    }
+    for code in wire_codes | _codes(EngineError) | _codes(StoreError):
+        assert f"`{code}`" in doc, f"error code {code} is not documented"
+    for kind in ("dispatch", "kill", "refused"):
+        assert f"#### `{kind}`" in headings
+    for name in ("DEFAULT_MAX_FRAME", "MAX_IN_FLIGHT", "MAX_LIMIT", "MAX_BATCH", "MAX_TASK_BYTES"):
+        assert name in doc
+    assert f"{DEFAULT_MAX_FRAME:,}" in doc and f"{MAX_TASK_BYTES:,}" in doc
