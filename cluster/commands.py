@@ -18,6 +18,7 @@ from typing import Any
 
 import trio
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from cluster.client import Client, ClientError, RemoteError, parse_address
@@ -187,10 +188,10 @@ def run_client_command(args: argparse.Namespace) -> int:
                 )
             )
         else:
-            err_console.print(f"[red]error[/red] {exc.code}: {exc.message}")
+            err_console.print(f"[red]error[/red] {escape(exc.code)}: {escape(exc.message)}")
         return 1
     except ClientError as exc:
-        err_console.print(f"[red]error[/red] {exc}")
+        err_console.print(f"[red]error[/red] {escape(str(exc))}")
         return 2 if not isinstance(exc, RemoteError) and "give" in str(exc) else 1
 
 
@@ -236,7 +237,7 @@ async def _submit_file(client: Client, args: argparse.Namespace) -> int:
             failed += 1
             ids.append(None)
             e = r.get("error", {})
-            err_console.print(f"line {number}: {e.get('code')}: {e.get('message')}")
+            err_console.print(escape(f"line {number}: {e.get('code')}: {e.get('message')}"))
     emit(args, ids, lambda v: console.print(f"{len(v) - failed} jobs created, {failed} refused"))
     return 1 if failed else 0
 
@@ -357,14 +358,14 @@ def serve(args: argparse.Namespace) -> int:
         try:
             lease = parse_duration(args.worker_lease, field="--worker-lease")
         except EngineUsageError as exc:
-            err_console.print(f"[red]error[/red] {exc}")
+            err_console.print(f"[red]error[/red] {escape(str(exc))}")
             return 2
         config = EngineConfig(worker_lease_ms=lease, reattach_grace_ms=2 * lease)
     node = Node(args.data, host=args.host, port=args.port, shards=args.shards, config=config)
     try:
         trio.run(node.run)
     except NodeError as exc:
-        err_console.print(f"[red]error[/red] {exc}")
+        err_console.print(f"[red]error[/red] {escape(str(exc))}")
         return 2
     return 0
 

@@ -225,7 +225,12 @@ class ShardHost:
                 self.route(engine.tick(wall_ms(), mono_ms()))
             else:
                 # One engine call, one batch for everything that arrived meanwhile.
-                self.route(engine.handle_many(batch, wall_ms(), mono_ms()))
+                try:
+                    self.route(engine.handle_many(batch, wall_ms(), mono_ms()))
+                except EngineError:
+                    # A bug, not bad input (commands' errors are replies): keep serving the
+                    # shard's other work rather than take the node down.
+                    log.exception("shard %d: engine error", self.index)
             if self.since_snapshot >= SNAPSHOT_EVERY_RECORDS and not self.snapshot_pending:
                 self._start_snapshot()
             await trio.lowlevel.checkpoint()

@@ -970,11 +970,15 @@ class ShardEngine:
         if live:
             self._update(UpdateJob(cmd.request_id, spec), as_create=True)
             return
+        to_pin: list[tuple[_Run, dict[str, Any]]] = []
         if existing is not None and self._exists(existing):
+            # A cancelled job's key: its runs still in flight keep their version's spec.
             key, version = existing, self._ver[existing] + 1
+            to_pin = self._runs_to_pin(key)
         else:
             key, version = self._next_key, 1
         self._emit_job(key, version, spec)
+        self._pin(key, to_pin, spec.id)
         self._send_registrations(spec.id, (), spec.after)
         self._buffered.pop(key, None)
         self._flags[key] = _PAUSED if spec.paused else 0
@@ -982,6 +986,22 @@ class ShardEngine:
         self._set_next(key, self._first_due(spec))
         self._persist_pos(key)
         self._reply_after_durable(cmd.request_id, self._describe(key, spec.id))
+
+    def _runs_to_pin(self, key: int) -> list[tuple[_Run, dict[str, Any]]]:
+        """Runs of job ``key`` not final and not pinned yet, with the spec they execute: read
+        before a new version replaces it (runs keep executing their own version)."""
+        out = []
+        for at in sorted(self._times(key)):
+            run = self._runs[(key, at)]
+            if run.pinned is None:
+                out.append((run, self._stored_spec(key, run.version)))
+        return out
+
+    def _pin(self, key: int, runs: list[tuple[_Run, dict[str, Any]]], job_id: str) -> None:
+        for run, spec in runs:
+            run.pinned = spec
+            run.job_id = job_id
+            self._persist_run(run, buffered=self._buffered.get(key) == run.at)
 
     def _first_due(self, spec: JobSpec) -> int | None:
         # A one-shot time already past is still owed: the caller asked for that run.
@@ -995,16 +1015,10 @@ class ShardEngine:
         self._skip_unfired(key, "updated")  # the new version replaces them
         old_version = self._ver[key]
         old_after = self._profile(key).after
-        # Runs of the old version keep executing it: pin its spec on them before it is replaced.
-        to_pin = [self._runs[(key, at)] for at in sorted(self._times(key))]
-        old_spec = self._stored_spec(key, old_version) if to_pin else None
+        to_pin = self._runs_to_pin(key)
         self._unarm(key)
         self._emit_job(key, old_version + 1, cmd.spec)
-        for run in to_pin:
-            if run.pinned is None and run.version == old_version:
-                run.pinned = old_spec
-                run.job_id = cmd.spec.id
-                self._persist_run(run, buffered=self._buffered.get(key) == run.at)
+        self._pin(key, to_pin, cmd.spec.id)
         self._send_registrations(cmd.spec.id, old_after, cmd.spec.after)
         # The new version owes its fire times after now (those of the old version up to now
         # were run or skipped); a replacing create owes what a fresh create would.
@@ -1503,6 +1517,8 @@ class ShardEngine:
         return None
 
     def _claim(self, worker: _Worker, run: _Run) -> None:
+        # What the ticket needs is read first: a failure must leave the run unclaimed.
+        spec = run.pinned or self._stored_spec(run.key, run.version)
         self._move(run, RunEvent.CLAIM)
         if run.maybe_sent:
             # The attempt number must never name two dispatches of one run: the one before
@@ -1517,7 +1533,6 @@ class ShardEngine:
         self._persist_run(run)
         self._arm_timeout(run)
         policy = run.policy
-        spec = run.pinned or self._stored_spec(run.key, run.version)
         if run.job_id is None:
             run.job_id = str(spec["id"])
         ticket = RunTicket(

@@ -219,8 +219,9 @@ class ShardStore:
     :class:`engine.directory.JobDirectory` (``key_of``, ``latest``).
 
     Thread-safety: writes (:meth:`write`, :meth:`write_prepared`, :meth:`retain`,
-    :meth:`write_snapshot`) are serialised by one lock; reads may come from any thread and see
-    only durable data (RocksDB publishes a write after its fsync). The intended writer is the
+    :meth:`write_snapshot`) are serialised by one lock; reads may come from any thread; they may
+    see a group's write a moment before its fsync returns (see :meth:`_commit`), never a
+    partial one. The intended writer is the
     group committer (:mod:`wal.commit`), one thread issuing one synced write per group.
     """
 
@@ -627,7 +628,14 @@ class ShardStore:
         store: RocksDB stops accepting writes after an I/O error, and so do we."""
         assert self._db is not None
         try:
-            self._db.write(wb, self._sync if sync else self._nosync)
+            # Not write(sync=True): rocksdict holds the GIL through that fsync, freezing every
+            # thread of the process (the node's event loop included) for the disk's latency.
+            # An unsynced write, then FlushWAL(sync) — which fsyncs the same log and releases
+            # the GIL — is the same durability when it returns. Readers may see the write a
+            # moment before it is durable; nothing is acknowledged until it is.
+            self._db.write(wb, self._nosync)
+            if sync:
+                self._db.flush_wal(True)
         except Exception as exc:
             failure = translate(exc, path=self.path, doing=doing)
             self._failed = failure

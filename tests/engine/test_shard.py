@@ -841,3 +841,27 @@ def test_a_recreated_jobs_fire_time_taken_by_a_run_still_in_flight_is_skipped_as
     node.advance(1)
     assert [(s["lo"], s["why"]) for s in node.skips()] == [(ticket.scheduled_ms, "overlap")]
     assert len(node.tickets()) == 1
+
+
+def test_a_run_of_a_cancelled_job_keeps_its_spec_when_the_id_is_created_again() -> None:
+    # Found against a real node: the re-created job's version replaced the spec the old run
+    # needed for its ticket, and claiming it failed half-way.
+    node = Node()
+    worker(node, credits=1)
+    from engine.schedules import format_utc
+
+    node.create(id="k1", schedule={"at": format_utc(node.wall)}, task={"shell": "echo v1"})
+    (first,) = node.tickets()
+    node.do(CancelJob(node.request(), "k1"))
+    node.create(id="k1", schedule={"at": format_utc(node.wall + 60_000)}, task={"shell": "v2"})
+    node.do(WorkerHello("w1", ("default",), 1, ()))  # restarted without it: out again
+    again = node.tickets()[-1]
+    assert (again.run_id, again.attempt, again.task, again.version) == (
+        first.run_id,
+        2,
+        {"shell": "echo v1"},
+        1,
+    )
+    node.crash_and_recover()
+    node.do(WorkerHello("w2", ("default",), 1, ()))
+    node.run_until(1000)
