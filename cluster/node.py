@@ -856,6 +856,8 @@ class Node:
                 session.worker_id, rid, args["token"], args["outcome"], args.get("exit_code")
             )
         )
+        if "credits" in args:  # the worker's free slots after this run: a pull in the report
+            await self._pull(conn, {"credits": args["credits"]})
         return {}
 
     async def _output(self, conn: Connection, args: dict[str, Any]) -> Any:

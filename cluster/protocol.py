@@ -71,6 +71,7 @@ OPS: Final[dict[str, ArgSpec]] = {
         "token": (_INT, True),
         "outcome": (_STR, True),
         "exit_code": ((int, type(None)), False),
+        "credits": (_INT, False),
     },
 }
 

@@ -231,20 +231,30 @@ class WorkerAgent:
             outcome, code = "failed", None
         held.outcome = (outcome, code)
         self.completed += 1
-        await self._report_finished(rid)
         if self.waiting:
             self._start(self.waiting.pop(0))
-        else:
-            await self._report("worker.pull", {"credits": self._free()})
+        await self._report_finished(rid)
 
     async def _report_finished(self, rid: str) -> None:
         held = self.held.get(rid)
         if held is None or held.outcome is None:
             return
         outcome, code = held.outcome
+        # The free slots ride along: one request per finished run instead of two.
+        free = (
+            self.slots
+            - sum(1 for r, h in self.held.items() if h.outcome is None and r != rid)
+            - len(self.waiting)
+        )
         done = await self._report(
             "worker.finished",
-            {"run_id": rid, "token": held.ticket.token, "outcome": outcome, "exit_code": code},
+            {
+                "run_id": rid,
+                "token": held.ticket.token,
+                "outcome": outcome,
+                "exit_code": code,
+                "credits": max(0, free),
+            },
         )
         if done:
             self.held.pop(rid, None)
