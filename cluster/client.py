@@ -251,6 +251,12 @@ class Client:
         except ProtocolError as exc:
             self._waiting.pop(request_id, None)
             raise ClientError(exc.message) from None
+        if len(frame) - 4 > self.max_frame:
+            # The node would answer with an error it cannot pair with this request.
+            self._waiting.pop(request_id, None)
+            raise ClientError(
+                f"{op}: request of {len(frame) - 4} bytes; the frame limit is {self.max_frame}"
+            )
         try:
             async with self._send_lock:
                 await stream.send_all(frame)

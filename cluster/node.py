@@ -64,7 +64,7 @@ from engine.effects import (
     UpdateJob,
     WorkerHello,
 )
-from engine.errors import EngineError, EngineUsageError, JobNotFound
+from engine.errors import EngineError, JobNotFound, RunNotFound
 from engine.jobs import JobSpec, apply_update, new_job_id, validate_job, validate_job_id
 from engine.routing import shard_of
 from engine.runs import parse_run_id, run_id
@@ -80,6 +80,8 @@ CLUSTER_FILE = "cluster.json"
 DEFAULT_SHARDS = 2
 #: requests one connection may have in flight before the node stops reading from it
 MAX_IN_FLIGHT = 1024
+#: replies and pushes waiting for a slow reader before its connection is closed
+MAX_QUEUED_REPLIES = 65_536
 #: a shard's log tail (records) after which the shard stores a snapshot
 SNAPSHOT_EVERY_RECORDS = 500_000
 
@@ -366,7 +368,9 @@ class Connection:
         self.node = node
         self.stream = stream
         self.decoder = FrameDecoder(node.max_frame)
-        self.out_send, self.out_recv = trio.open_memory_channel[bytes](math.inf)
+        # Bounded: a peer that sends without reading must not grow the node's memory.
+        self.out_send, self.out_recv = trio.open_memory_channel[bytes](MAX_QUEUED_REPLIES)
+        self.scope: trio.CancelScope | None = None
         self.limiter = trio.Semaphore(MAX_IN_FLIGHT)
         self.worker: WorkerSession | None = None
         self.closed = False
@@ -374,6 +378,7 @@ class Connection:
     async def serve(self) -> None:
         try:
             async with trio.open_nursery() as nursery:
+                self.scope = nursery.cancel_scope
                 nursery.start_soon(self._writer)
                 await self._reader(nursery)
                 nursery.cancel_scope.cancel()
@@ -390,11 +395,21 @@ class Connection:
                 await self.stream.aclose()
 
     def send(self, message: Message) -> None:
-        if not self.closed:
-            try:
-                self.out_send.send_nowait(encode(message))
-            except ProtocolError as exc:
-                log.error("cannot encode a reply: %s", exc)
+        if self.closed:
+            return
+        try:
+            frame = encode(message)
+        except ProtocolError as exc:
+            # Never leave a request unanswered: say that its reply could not be encoded.
+            log.error("cannot encode a reply: %s", exc)
+            frame = encode(error(message.get("id"), "internal", "reply could not be encoded"))
+        try:
+            self.out_send.send_nowait(frame)
+        except trio.WouldBlock:
+            log.warning("a peer left %d replies unread: closing it", MAX_QUEUED_REPLIES)
+            self.closed = True
+            if self.scope is not None:
+                self.scope.cancel()
 
     async def _writer(self) -> None:
         while True:
@@ -686,7 +701,7 @@ class Node:
         job_id = validate_job_id(args["id"])
         stop = bool(args.get("stop_running", False))
         reply = await self.host_of(job_id).request(lambda rid: CancelJob(rid, job_id, stop))
-        return {"job_id": job_id, **_unwrap(reply)}
+        return {"job_id": job_id, "cancelled": bool(_unwrap(reply).get("cancelled"))}
 
     async def _pause(self, conn: Connection, args: dict[str, Any]) -> Any:
         job_id = validate_job_id(args["id"])
@@ -756,11 +771,11 @@ class Node:
         host, key, at, job_id = self._run_where(args["run_id"])
         record = host.store.run(key, at)
         if record is None:
-            raise EngineUsageError(f"no run {args['run_id']!r}", field="run_id")
+            raise RunNotFound(f"no run {args['run_id']!r}", field="run_id")
         return _run_result(job_id, record)
 
     async def _run_history(self, conn: Connection, args: dict[str, Any]) -> Any:
-        job_id = validate_job_id(args["job_id"])
+        job_id = validate_job_id(args["job_id"], field="job_id")
         host = self.host_of(job_id)
         key = host.store.key_of(job_id)
         if key is None:
@@ -795,8 +810,10 @@ class Node:
     async def _hello(self, conn: Connection, args: dict[str, Any]) -> Any:
         worker_id = args["worker_id"]
         tiers = tuple(args["tiers"])
-        if not worker_id or not tiers or not all(isinstance(t, str) for t in tiers):
-            raise BadArgs("tiers: a list of tier names, and a worker id", None, "tiers")
+        if not worker_id or len(worker_id) > 200:
+            raise BadArgs("worker_id: 1-200 characters", None, "worker_id")
+        if not tiers or not all(isinstance(t, str) and t for t in tiers):
+            raise BadArgs("tiers: a non-empty list of tier names", None, "tiers")
         slots = args["slots"]
         if slots < 0:
             raise BadArgs("slots: must be >= 0", None, "slots")

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from cluster.codec import Message, ProtocolError
+from engine.schedules import MAX_PREVIEW
 
 #: Per op: (argument name -> (accepted types, required)). ``object`` accepts any msgpack value.
 _STR = (str,)
@@ -125,8 +126,9 @@ def parse_request(message: Message) -> Request:
         if not isinstance(value, types):
             raise _bad(request_id, name, f"must be {_names(types)}, got {type(value).__name__}")
     for name in ("limit", "last", "count"):
-        if name in args and not 1 <= args[name] <= MAX_LIMIT:
-            raise _bad(request_id, name, f"must be in 1..{MAX_LIMIT}")
+        top = MAX_PREVIEW if name == "count" else MAX_LIMIT
+        if name in args and not 1 <= args[name] <= top:
+            raise _bad(request_id, name, f"must be in 1..{top}")
     if op == "job.create_many" and len(args["specs"]) > MAX_BATCH:
         raise _bad(request_id, "specs", f"at most {MAX_BATCH} specs per batch")
     return Request(request_id, op, args)

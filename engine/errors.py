@@ -97,6 +97,12 @@ class JobNotFound(EngineUsageError):
     code = "not_found"
 
 
+class RunNotFound(EngineUsageError):
+    """No run with that id (never fired, or its history was removed by retention)."""
+
+    code = "not_found"
+
+
 class JobExists(EngineUsageError):
     """A create for an id that exists, without ``replace``."""
 
