@@ -288,6 +288,8 @@ class ShardEngine:
         self._recent_ids: dict[str, tuple[int, int]] = {}
         self._recent_order: deque[tuple[int, int, str]] = deque()
         self._runs: dict[RunRef, _Run] = {}
+        # Runs claimed at least once, by run id, until final: what workers' reports name.
+        self._handed_out: dict[str, _Run] = {}
         # Triggered runs by source run id, to ignore a redelivered trigger. Kept for
         # trigger_dedupe_ms after the run's time (insertion order is time order, so the oldest
         # are pruned from the front).
@@ -1535,8 +1537,10 @@ class ShardEngine:
         policy = run.policy
         if run.job_id is None:
             run.job_id = str(spec["id"])
+        rid = run_id(run.job_id, run.at)
+        self._handed_out[rid] = run
         ticket = RunTicket(
-            run_id=run_id(run.job_id, run.at),
+            run_id=rid,
             job_id=run.job_id,
             scheduled_ms=run.at,
             attempt=run.attempt,
@@ -1556,6 +1560,9 @@ class ShardEngine:
     # =============================================================== reports
 
     def _run_by_id(self, rid: str) -> _Run | None:
+        run = self._handed_out.get(rid)
+        if run is not None:
+            return run  # a run out with a worker: its reports need no directory lookup
         try:
             job_id, at = parse_run_id(rid)
         except EngineUsageError:
@@ -1676,6 +1683,8 @@ class ShardEngine:
         self._clear_run_timer(run)
         run.queued = False
         del self._runs[run.ref]
+        if run.job_id is not None:
+            self._handed_out.pop(run_id(run.job_id, run.at), None)
         if run.slot >= 0:
             self._retry.cancel(run.slot)
             self._slot_run.pop(run.slot, None)
