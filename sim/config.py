@@ -41,7 +41,7 @@ class SimConfig:
     #: shards per cluster (P); 0 means two per node
     shards: int = 0
     #: after ``hours``: no new faults or client operations, the cluster settles, then checks
-    drain_ms: int = 15 * 60_000
+    drain_ms: int = 10 * 60_000
     #: share of all jobs due in the same second (the top of the first hour) with burst
     burst_share: float = 0.25
     #: runs one worker takes from one shard at once
@@ -53,8 +53,10 @@ class SimConfig:
     idle_heartbeat_ms: int = 20_000
     #: a worker kills its tasks of a shard once this much of the lease is gone unconfirmed
     worker_fence_margin_ms: int = 3_000
-    #: the node's timer resolution: wakeups are rounded up to this
+    #: the node's timer resolution: engine wakeups are rounded up to this
     tick_ms: int = 10
+    #: lease wakeups (renewals, resends, polls) are rounded up to this, so they coincide
+    lease_tick_ms: int = 500
     #: chance that a message is lost (a worker connection resets; others are resent)
     loss: float = 0.001
     #: every node's wall clock is stepped back to true time this often (NTP), plus its error

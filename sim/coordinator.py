@@ -87,12 +87,21 @@ class Coordinator:
 
     # ---------------------------------------------------------------- requests
 
-    def request(self, node: SimNode, incarnation: int, request: Request) -> None:
-        """A node's request arrived; the answer travels back over the network."""
-        response = self._handle(request)
-        if response is not None:
+    def requests(self, node: SimNode, incarnation: int, requests: tuple[Request, ...]) -> None:
+        """A node's requests arrived (one packet); the answers travel back in one packet."""
+        responses = []
+        for request in requests:
+            response = self._handle(request)
+            if response is not None:
+                responses.append(response)
+        if responses:
             self._net.send(
-                NAME, node.name, node.receive, incarnation, node.on_lease_response, response
+                NAME,
+                node.name,
+                node.receive,
+                incarnation,
+                node.on_lease_responses,
+                tuple(responses),
             )
 
     def _handle(self, request: Request) -> Response | None:

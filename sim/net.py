@@ -2,9 +2,10 @@
 
 Owns message delivery between named endpoints (``n0``..., ``w0``..., ``coord``, ``client``).
 A link keeps order (TCP): a message never overtakes an earlier one on the same link. A lost
-message on a connection that notices (a worker's) resets it: both ends are told, as a TCP
-peer would be. Partitions cut pairs of endpoints both ways; a message sent into a cut, or
-arriving while its link is cut, is dropped silently (the connection just hangs). Must never
+message on a connection (a worker's with a node) breaks it, as TCP would rather than lose one
+message silently: the worker is told and greets again. Partitions cut pairs of endpoints both
+ways; a message sent into a cut, or arriving while its link is cut, is dropped (and breaks
+its connection, if it has one); others are resent by their senders' timers. Must never
 look inside messages: it moves callables and their arguments.
 """
 
@@ -64,10 +65,13 @@ class Network:
         *args: Any,
         on_reset: Callable[[], None] | None = None,
     ) -> None:
-        """Deliver ``fn(*args)`` at ``dst`` after a latency, unless cut or lost. A lost message
-        with ``on_reset`` calls it (at the sender's side of the connection) instead."""
+        """Deliver ``fn(*args)`` at ``dst`` after a latency, unless cut or lost. A message on
+        a connection (``on_reset`` given) that is lost or cut breaks it: ``on_reset`` is called
+        (at the worker's end, which reconnects and greets again) instead."""
         if self._cut and self.is_cut(src, dst):
             self.dropped += 1
+            if on_reset is not None:
+                self._k.later(self.latency(), on_reset)
             return
         if self.loss and self._rng.random() < self.loss:
             self.dropped += 1
@@ -79,11 +83,20 @@ class Network:
         link = (src, dst)
         at = max(now + self.latency(), self._last.get(link, 0))
         self._last[link] = at
-        self._k.later(at - now, self._arrive, src, dst, fn, args)
+        self._k.later(at - now, self._arrive, src, dst, fn, args, on_reset)
 
-    def _arrive(self, src: str, dst: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    def _arrive(
+        self,
+        src: str,
+        dst: str,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        on_reset: Callable[[], None] | None,
+    ) -> None:
         if self._cut and self.is_cut(src, dst):
             self.dropped += 1
+            if on_reset is not None:
+                on_reset()
             return
         self.delivered += 1
         fn(*args)

@@ -123,6 +123,7 @@ class SimNode:
         self._wake_at: int | None = None
         self._rid = 0
         self._worker_inc: dict[str, int] = {}
+        self._to_coord: list[LeaseEffect] = []
         names = [f"n{i}" for i in range(world.config.nodes)]
         self._rank = [preference(s, names).index(self.name) for s in range(world.shards)]
 
@@ -131,7 +132,7 @@ class SimNode:
     def start(self) -> None:
         self.alive, self.frozen = True, False
         self.incarnation += 1
-        self._queue, self._held, self._wake_at = [], None, None
+        self._queue, self._held, self._wake_at, self._to_coord = [], None, None, []
         self._pause_ms = self._crash_down = None
         self.k.trace("start", self.name, self.incarnation)
         mono = self._mono()
@@ -228,6 +229,16 @@ class SimNode:
 
     # ---------------------------------------------------------------- leases
 
+    def _flush_coord(self, incarnation: int) -> None:
+        requests, self._to_coord = tuple(self._to_coord), []
+        if requests and self.alive and incarnation == self.incarnation and not self.frozen:
+            coord = self.w.coord
+            self.w.net.send(self.name, "coord", coord.requests, self, incarnation, requests)
+
+    def on_lease_responses(self, responses: tuple[Response, ...]) -> None:
+        for response in responses:
+            self.on_lease_response(response)
+
     def on_lease_response(self, response: Response) -> None:
         hs = self.hosted.get(response.shard)
         if hs is None:
@@ -240,14 +251,16 @@ class SimNode:
         self.receive(None, self.on_lease_response, view)
 
     def _lease_effects(self, hs: _Hosted, effects: list[LeaseEffect]) -> None:
-        coord = self.w.coord
         for effect in effects:
             if isinstance(effect, StartActing):
                 self._open(hs, effect.epoch)
             elif isinstance(effect, StopActing):
                 self._stop(hs, effect.reason)
             else:
-                self.w.net.send(self.name, "coord", coord.request, self, self.incarnation, effect)
+                # Requests of one instant go out in one packet.
+                if not self._to_coord:
+                    self.k.later(0, self._flush_coord, self.incarnation)
+                self._to_coord.append(effect)
 
     def _open(self, hs: _Hosted, epoch: int) -> None:
         hs.opening, hs.epoch, hs.engine = True, epoch, None
@@ -388,6 +401,7 @@ class SimNode:
                 worker_incarnation,
                 worker.on_answers,
                 tuple(answers),
+                on_reset=self._reset_of(worker, worker_incarnation),
             )
         self._schedule_wake()
 
@@ -491,7 +505,7 @@ class SimNode:
                     worker.on_dispatch,
                     hs.shard,
                     e.run,
-                    on_reset=functools.partial(worker.receive, winc, worker.on_reset, hs.shard),
+                    on_reset=self._reset_of(worker, winc),
                 )
             elif kind is Kill:
                 assert isinstance(e, Kill)
@@ -504,6 +518,7 @@ class SimNode:
                     worker.on_kill,
                     e.run_id,
                     e.token,
+                    on_reset=self._reset_of(worker, self._worker_inc.get(worker.name, 0)),
                 )
             elif kind is Reply:
                 assert isinstance(e, Reply)
@@ -518,6 +533,7 @@ class SimNode:
                     self._worker_inc.get(worker.name, 0),
                     worker.on_refused,
                     hs.shard,
+                    on_reset=self._reset_of(worker, self._worker_inc.get(worker.name, 0)),
                 )
             elif kind is Trigger or kind is Register:
                 assert isinstance(e, Trigger | Register)
@@ -528,6 +544,10 @@ class SimNode:
                 self.k.trace("clock-jump", self.name, f"s{hs.shard}", e.wall_ms - e.engine_ms)
         if wrote and dispatched and self._crash_down is not None:
             self.crash(self._crash_down)  # with this step's writes and dispatches in flight
+
+    def _reset_of(self, worker: SimWorker, incarnation: int) -> Callable[[], None]:
+        """What a broken connection to ``worker`` tells it."""
+        return functools.partial(worker.receive, incarnation, worker.on_node_reset, self.name)
 
     def _reply(self, hs: _Hosted, reply: Reply) -> None:
         route = hs.requests.pop(reply.request_id, None)
@@ -566,15 +586,23 @@ class SimNode:
     def _schedule_wake(self) -> None:
         if not self.alive or self.frozen:
             return
+        # Engine timers at the tick resolution; lease timers (renewals, resends, polls) on a
+        # coarser grid, so that a node's shards renew together, in one packet. Safety does
+        # not depend on it: every action asks the lease at that moment (``_acting``).
+        tick, grid = self.w.config.tick_ms, self.w.config.lease_tick_ms
         soonest: int | None = None
         for hs in self.hosted.values():
-            for t in (hs.lease_next, hs.engine_next):
-                if t is not None and (soonest is None or t < soonest):
+            if hs.engine_next is not None:
+                t = -(-hs.engine_next // tick) * tick
+                if soonest is None or t < soonest:
+                    soonest = t
+            if hs.lease_next is not None:
+                t = -(-hs.lease_next // grid) * grid
+                if soonest is None or t < soonest:
                     soonest = t
         if soonest is None:
             return
-        tick = self.w.config.tick_ms
-        mono = -(-soonest // tick) * tick
+        mono = soonest
         now = self.k.now
         at = max(self.clock.true_at_mono(mono), now + 1)
         if self._wake_at is not None and now < self._wake_at <= at:

@@ -92,10 +92,19 @@ def excerpt(config: SimConfig, result: SeedResult) -> list[str]:
         focus.update(violation.focus)
     if not focus:
         return result.excerpt[-EXCERPT_LINES:]
-    again = run_seed(replace(config, trace_focus=frozenset(focus), samples=False))
+    again = run_seed(replace(config, trace_focus=frozenset({*focus, "fault "}), samples=False))
     if again.trace_hash != result.trace_hash:  # determinism is itself a promise
         return [f"re-run of seed {config.seed} diverged: {again.trace_hash}", *again.excerpt]
-    return again.excerpt[-EXCERPT_LINES:]
+    # The lines about the violation, and the faults within two minutes of them.
+    own = [line for line in again.excerpt if any(f in line for f in focus)]
+    times = [int(line.split(" ", 1)[0]) for line in own]
+    kept = [
+        line
+        for line in again.excerpt
+        if line in own
+        or any(abs(int(line.split(" ", 1)[0]) - t) <= 120_000 for t in times[-EXCERPT_LINES:])
+    ]
+    return kept[-EXCERPT_LINES:]
 
 
 def run_seeds(

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 
 _MAX_TASK_MS = 20 * 60_000
 _REPORT_RETRY_MS = 4_000
+_RECONNECT_MS = 1_000
 
 
 @dataclass(slots=True)
@@ -79,6 +80,7 @@ class SimWorker:
         self.tasks: dict[tuple[str, int], _Task] = {}
         self.unreported: dict[tuple[str, int], tuple[int, ReportFinished, int]] = {}
         self.newest_epoch = [0] * world.shards
+        self._reconnecting: set[str] = set()
 
     # ================================================================ life cycle
 
@@ -87,6 +89,7 @@ class SimWorker:
         self.incarnation += 1
         self.sessions = [_Session() for _ in range(self.w.shards)]
         self.tasks, self.unreported = {}, {}
+        self._reconnecting = set()
         self.k.trace("worker-start", self.name, self.incarnation)
         self._round(self.incarnation)
 
@@ -179,7 +182,6 @@ class SimWorker:
             self._post(node, (self._stamp(shard, commands, hello=hello),))
 
     def _post(self, node: SimNode, parts: tuple[tuple[int, tuple[Command, ...], int], ...]) -> None:
-        shards = tuple(part[0] for part in parts)
         self.w.net.send(
             self.name,
             node.name,
@@ -189,7 +191,9 @@ class SimWorker:
             self,
             self.incarnation,
             parts,
-            on_reset=functools.partial(self.receive, self.incarnation, self.on_resets, shards),
+            on_reset=functools.partial(
+                self.receive, self.incarnation, self.on_node_reset, node.name
+            ),
         )
 
     def _held(self, shard: int) -> tuple[tuple[str, int], ...]:
@@ -214,9 +218,26 @@ class SimWorker:
             else:
                 self.on_ack(shard, epoch, seq, reported)
 
-    def on_resets(self, shards: tuple[int, ...]) -> None:
-        for shard in shards:
-            self.on_reset(shard)
+    def on_node_reset(self, node: str) -> None:
+        """The connection to ``node`` broke: reconnect after a second and greet it again for
+        every shard it owns, in one packet (one reconnection at a time per node)."""
+        for session in self.sessions:
+            if session.node is not None and session.node.name == node:
+                session.greeted = False
+        if node not in self._reconnecting:
+            self._reconnecting.add(node)
+            self.k.later(_RECONNECT_MS, self.receive, self.incarnation, self._reconnect, node)
+
+    def _reconnect(self, node: str) -> None:
+        self._reconnecting.discard(node)
+        parts = []
+        for shard, session in enumerate(self.sessions):
+            if session.node is not None and session.node.name == node and not session.greeted:
+                part = self._part(shard, retry=True)
+                if part is not None:
+                    parts.append(part)
+        if parts:
+            self._post(self.w.node_by_name[node], tuple(parts))
 
     def on_ack(
         self, shard: int, epoch: int, seq: int, reported: tuple[tuple[str, int], ...]
@@ -250,11 +271,6 @@ class SimWorker:
     def on_refused(self, shard: int) -> None:
         self.sessions[shard].greeted = False
         self.k.later(100, self.receive, self.incarnation, self._contact, shard)
-
-    def on_reset(self, shard: int) -> None:
-        """The connection to the shard's owner broke: greet it again, re-announcing runs."""
-        self.sessions[shard].greeted = False
-        self.k.later(200, self.receive, self.incarnation, self._contact, shard, True)
 
     def on_watch(self, view: ShardView) -> None:
         if self.alive and view.owner is not None:
