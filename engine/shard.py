@@ -440,7 +440,9 @@ class ShardEngine:
                 # says hello again; the engine and the other effects are unharmed.
                 self._out.append(Refused(getattr(command, "worker_id", ""), error))
             else:
-                self._out.append(Reply(request_id, error=error))
+                # A refusal may rest on state not durable yet ("exists" for a create still in
+                # flight): like any reply, it waits until what it says cannot be undone.
+                self._after_durable.append(Reply(request_id, error=error))
 
     def tick(self, wall_ms: int, mono_ms: int) -> list[Effect]:
         """Move time forward: fire due jobs, release retries, expire leases and timeouts."""
@@ -1074,7 +1076,8 @@ class ShardEngine:
 
     def _get(self, cmd: GetJob) -> None:
         key = self._job_key(cmd.job_id)
-        self._out.append(Reply(cmd.request_id, result=self._describe(key, cmd.job_id)))
+        # What it describes may not be durable yet: the answer waits until it is.
+        self._reply_after_durable(cmd.request_id, self._describe(key, cmd.job_id))
 
     def _describe(self, key: int, job_id: str) -> dict[str, Any]:
         paused = bool(self._flags[key] & _PAUSED)

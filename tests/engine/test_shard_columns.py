@@ -46,9 +46,11 @@ def test_a_job_not_yet_durable_is_known_to_the_engine() -> None:
     node = Node(auto_durable=False)
     node.create(**spec("nd", 5), task={"command": ["true"]})
     assert node.directory.key_of("nd") is None  # the store has not seen it
-    reply = node.do(GetJob(node.request(), "nd"))
-    assert reply is not None and reply.result is not None
-    assert reply.result["next_fire_ms"] == T0 + 5000
+    request = node.request()
+    assert node.do(GetJob(request, "nd")) is None  # it describes what is not durable yet
+    node.flush()
+    reply = node.replies[request]
+    assert reply.result is not None and reply.result["next_fire_ms"] == T0 + 5000
     node.do(CancelJob(node.request(), "nd"))
     node.flush()
     assert node.directory.key_of("nd") == 0

@@ -1,13 +1,10 @@
 """Engine behaviour the simulation ran into that breaks the contract, as minimal reproductions.
 
-Each test states what the contract promises and is marked ``xfail(strict=True)``: it fails
-today, and the day the engine is fixed it passes, which makes the suite fail until the mark
-goes. The engine is not changed here (another engineer owns it).
+Each test states what the contract promises. A finding is first marked ``xfail(strict=True)``
+(it fails until the engine is fixed, and the mark must then go); the ones below are fixed.
 """
 
 from __future__ import annotations
-
-import pytest
 
 from engine.effects import CreateJob, GetJob, Reply
 from engine.jobs import validate_job
@@ -15,14 +12,6 @@ from engine.schedules import format_utc
 from tests.engine.harness import T0, Node
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "engine answers a repeated create with 'exists' (and GetJob describes the job) from "
-        "memory before the job's record is durable; a crash then loses a job the client was "
-        "told exists"
-    ),
-)
 def test_a_retried_create_is_not_told_exists_before_the_job_is_durable() -> None:
     # DESIGN.md: "the client library generates a time-sortable [id] ... so a retried create
     # is idempotent" and "the reply is sent only after the record is durable". A client whose
