@@ -78,6 +78,7 @@ class Client:
         self.jobs: list[_Job] = []
         self.sent = 0
         self.exists_unconfirmed = 0  # creates answered "exists" on a retry: not acknowledged
+        self.told_exists: list[str] = []
         self.gave_up = 0
         cfg = world.config
         end = cfg.end_ms
@@ -259,6 +260,7 @@ class Client:
             # Our earlier attempt got through, or not durably yet: the engine answers
             # "exists" from memory, so this is no acknowledgement (see the README).
             self.exists_unconfirmed += 1
+            self.told_exists.append(job.job_id)
             self.k.trace("exists", job.job_id)
         elif error == "not_found":
             job.ops.clear()  # cancelled, or its create was lost: nothing more to do

@@ -344,8 +344,7 @@ class SimNode:
     def on_durable(self, shard: int, epoch: int, batch_id: int) -> None:
         hs = self.hosted.get(shard)
         if hs is not None and hs.engine is not None and hs.epoch == epoch:
-            self._call(hs, Durable(batch_id))
-            self._touch(hs)
+            self._touch(hs, engine=bool(self._call(hs, Durable(batch_id))))
 
     # ---------------------------------------------------------------- clients
 
@@ -356,8 +355,7 @@ class SimNode:
             return
         self._rid += 1
         hs.requests[self._rid] = ("client", client, creq)
-        self._call(hs, _with_request_id(command, self._rid))
-        self._touch(hs)
+        self._touch(hs, engine=bool(self._call(hs, _with_request_id(command, self._rid))))
 
     # ---------------------------------------------------------------- workers
 
@@ -377,12 +375,13 @@ class SimNode:
             if self._acting(hs) is None or hs is None:
                 answers.append((shard, -1, 0, ()))
                 continue
-            refused = False
+            refused = changed = False
             reported: list[tuple[str, int]] = []
             for command in commands:
                 effects = self._call(hs, command)
                 if effects is None:
                     break
+                changed = changed or bool(effects)
                 if any(type(e) is Refused and e.worker_id == worker.name for e in effects):
                     refused = True
                 if type(command) is ReportFinished:
@@ -392,7 +391,7 @@ class SimNode:
                 taken = seq if greeted and not refused else 0
                 if taken or reported:
                     answers.append((shard, hs.epoch, taken, tuple(reported)))
-            self._refresh(hs)
+            self._refresh(hs, engine=changed)
         if answers:
             self.w.net.send(
                 self.name,
@@ -429,14 +428,12 @@ class SimNode:
             command = TriggerJob(self._rid, effect.job_id, effect.source_run_id)
         else:
             command = RegisterDependent(self._rid, effect.upstream, effect.downstream, effect.on)
-        self._call(hs, command)
-        self._touch(hs)
+        self._touch(hs, engine=bool(self._call(hs, command)))
 
     def on_outbox_done(self, shard: int, epoch: int, seq: int) -> None:
         hs = self.hosted.get(shard)
         if hs is not None and hs.epoch == epoch and hs.outbox.pop(seq, None) is not None:
-            self._call(hs, OutboxDelivered(seq))
-            self._touch(hs)
+            self._touch(hs, engine=bool(self._call(hs, OutboxDelivered(seq))))
 
     def _send_outbox(self, hs: _Hosted, effect: Trigger | Register) -> None:
         job = effect.job_id if isinstance(effect, Trigger) else effect.upstream
@@ -573,8 +570,10 @@ class SimNode:
     # ================================================================ timers
 
     def _refresh(self, hs: _Hosted, *, engine: bool = True) -> None:
-        """Cache when the lease and the engine next want a tick. ``engine=False`` after an
-        event the engine did not see (its answer cannot have changed; it costs ~10 us)."""
+        """Cache when the lease and the engine next want a tick (asking the engine costs
+        ~10 us). ``engine=False`` after an event the engine did not see, or a command that
+        had no effect: anything that arms an earlier timer (a new run, a claim, a retry, a
+        fire time) persists a record, so the cached time can only be early, never late."""
         hs.lease_next = hs.lease.next_wakeup_mono()
         if engine or hs.engine is None:
             hs.engine_next = hs.engine.next_wakeup_mono() if hs.engine is not None else None
