@@ -735,25 +735,46 @@ class Node:
         return _job_result(_unwrap(reply))
 
     async def _create_many(self, conn: Connection, args: dict[str, Any]) -> Any:
-        results: list[dict[str, Any] | None] = [None] * len(args["specs"])
+        specs = args["specs"]
+        results: list[dict[str, Any] | None] = [None] * len(specs)
+        left = [len(specs)]
+        all_answered = trio.Event()
 
-        async def one(i: int, raw: object) -> None:
+        def settle(i: int, result: dict[str, Any]) -> None:
+            results[i] = result
+            left[0] -= 1
+            if not left[0]:
+                all_answered.set()
+
+        def failed(exc: Exception) -> dict[str, Any]:
+            field = exc.field if isinstance(exc, EngineError | BadArgs) else None
+            message = exc.message if isinstance(exc, BadArgs) else str(exc)
+            code = exc.code if isinstance(exc, EngineError | BadArgs | StoreError) else "internal"
+            return {"ok": False, "error": _error_dict(code, message, field)}
+
+        def answer_for(i: int) -> ReplyCallback:
+            def answer(outcome: Reply | StoreError) -> None:
+                try:
+                    if isinstance(outcome, StoreError):
+                        raise outcome
+                    settle(i, {"ok": True, "result": _job_result(_unwrap(outcome))})
+                except (EngineError, StoreError) as exc:
+                    settle(i, failed(exc))
+
+            return answer
+
+        # Every spec goes to its shard at once; the shards' loops answer by callback (no task
+        # per spec), and this request waits for the last answer.
+        for i, raw in enumerate(specs):
             try:
                 if not isinstance(raw, dict):
                     raise BadArgs(f"specs[{i}]: must be a map", None, f"specs[{i}]")
                 spec = self.job_spec(raw)
-                reply = await self.host_of(spec.id).request(lambda rid: CreateJob(rid, spec))
-                results[i] = {"ok": True, "result": _job_result(_unwrap(reply))}
-            except EngineError as exc:
-                results[i] = {"ok": False, "error": _error_dict(exc.code, str(exc), exc.field)}
-            except BadArgs as exc:
-                results[i] = {"ok": False, "error": _error_dict(exc.code, exc.message, exc.field)}
-            except StoreError as exc:
-                results[i] = {"ok": False, "error": _error_dict(exc.code, str(exc), None)}
-
-        async with trio.open_nursery() as nursery:
-            for i, raw in enumerate(args["specs"]):
-                nursery.start_soon(one, i, raw)
+                self.host_of(spec.id).request_then(partial(CreateJob, spec=spec), answer_for(i))
+            except (EngineError, BadArgs, StoreError) as exc:
+                settle(i, failed(exc))
+        if specs:
+            await all_answered.wait()
         return {"results": results}
 
     async def _update(self, conn: Connection, args: dict[str, Any]) -> Any:
