@@ -63,6 +63,8 @@ class SimConfig:
     ntp_every_ms: int = 10 * 60_000
     #: slack on top of the clock bounds for the "never early" check (latencies, ms rounding)
     early_slack_ms: int = 100
+    #: an owner stores a columnar snapshot of a shard every this many durable batches
+    snapshot_every: int = 500
     #: sample the number of runs waiting (for the report's plot)
     samples: bool = True
     #: trace lines to keep for excerpts; strings that name what a re-run should keep

@@ -8,7 +8,9 @@ last batch in the group. When the writer's machine crashes, its writes not yet d
 resolved then: a prefix survives (the disk had them, the acknowledgement was lost), the rest
 is lost, and the first lost one may be left torn (half written; dropped on the next open, as
 a WAL drops a tail whose checksum fails). Opening at a new epoch fences first, then waits for
-writes already accepted to settle, then hands the reader every durable record.
+writes already accepted to settle, then hands the reader the newest snapshot and the durable
+records after it. Like the real store, it answers the engine's directory questions (ids and
+latest specs of durable jobs) and keeps the columnar snapshots an owner writes.
 
 Must never interpret records beyond what the checks and plots ask (``sim.checks``): the
 engine decides what they mean.
@@ -21,14 +23,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from engine.directory import MemoryDirectory
 from engine.effects import Persist
 from engine.errors import StaleEpoch
 from engine.lease import EpochFence
 from engine.records import Record
+from engine.snapshot import Snapshot
 from sim.kernel import Kernel
 
 if TYPE_CHECKING:
     from sim.node import SimNode
+
+
+#: Called with the records to replay and the snapshot they follow (None, None: refused).
+Reader = Callable[[list[Record] | None, Snapshot | None], None]
 
 
 @dataclass(slots=True)
@@ -40,6 +48,8 @@ class StoredBatch:
     accepted_at: int
     durable_at: int
     records: tuple[Record, ...]
+    batch_id: int
+    end: int  # how many durable records there are up to and including this batch
 
 
 @dataclass(slots=True)
@@ -67,6 +77,11 @@ class ShardStore:
         self.stale_accepted: list[tuple[int, str, int, int]] = []
         self.torn: tuple[Record, ...] | None = None
         self.slow_ms = 0  # extra fsync latency while a slow-disk fault lasts
+        # The store's read side for the engine (ids, latest specs), fed with durable batches
+        # before they are acknowledged; and the newest snapshot with the log position it
+        # reflects (recovery replays only the records after it).
+        self.directory = MemoryDirectory()
+        self.snapshot: tuple[Snapshot, int] | None = None
         self._pending: list[_Write] = []
         self._syncing: list[_Write] = []
         self._waiters: list[Callable[[], None]] = []
@@ -122,9 +137,18 @@ class ShardStore:
                 fn()
 
     def _make_durable(self, w: _Write, now: int) -> None:
-        batch = StoredBatch(w.persist.epoch, w.node.name, w.accepted_at, now, w.persist.records)
-        self.batches.append(batch)
         self.records.extend(w.persist.records)
+        self.directory.absorb(w.persist.records)
+        batch = StoredBatch(
+            w.persist.epoch,
+            w.node.name,
+            w.accepted_at,
+            now,
+            w.persist.records,
+            w.persist.batch_id,
+            len(self.records),
+        )
+        self.batches.append(batch)
         if self.on_durable is not None:
             self.on_durable(self.shard, batch)
 
@@ -163,16 +187,31 @@ class ShardStore:
                 for fn in waiters:
                     fn()
 
+    def write_snapshot(self, node: SimNode, epoch: int, batch_id: int, snap: Snapshot) -> bool:
+        """Keep ``snap``, which reflects the writer's batches up to ``batch_id`` (durable), as
+        the point recovery starts from. Fenced like a write; False when refused."""
+        if not self._fence.accepts(self.epoch, epoch):
+            return False
+        for batch in reversed(self.batches):
+            if batch.epoch == epoch and batch.batch_id == batch_id:
+                self.snapshot = (snap, batch.end)
+                self._k.trace("snapshot", f"s{self.shard}", node.name, f"e{epoch}", batch.end)
+                return True
+            if batch.epoch < epoch:
+                break
+        return False
+
     # ---------------------------------------------------------------- opening
 
-    def open(self, epoch: int, reader: Callable[[list[Record] | None], None]) -> None:
+    def open(self, epoch: int, reader: Reader) -> None:
         """Open at ``epoch`` for a new owner: fence older epochs now, then, once the writes
-        already accepted are durable, call ``reader`` with every durable record (None when a
-        newer owner opened the store first)."""
+        already accepted are durable, call ``reader`` with the durable records after the
+        newest snapshot, and that snapshot or None (None, None when a newer owner opened the
+        store first)."""
         try:
             self.epoch = self._fence.open(self.epoch, epoch)
         except StaleEpoch:
-            self._k.later(1, reader, None)
+            self._k.later(1, reader, None, None)
             return
         self.opens.append((self._k.now, epoch))
         if self.torn is not None:
@@ -183,7 +222,8 @@ class ShardStore:
         else:
             self._read(reader)
 
-    def _read(self, reader: Callable[[list[Record] | None], None]) -> None:
-        records = list(self.records)
+    def _read(self, reader: Reader) -> None:
+        snap, start = self.snapshot if self.snapshot is not None else (None, 0)
+        records = self.records[start:]
         # Reading costs time: a base plus a little per record.
-        self._k.later(5 + len(records) // 2_000, reader, records)
+        self._k.later(5 + len(records) // 2_000, reader, records, snap)

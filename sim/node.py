@@ -59,6 +59,7 @@ from engine.lease import (
 from engine.records import Record
 from engine.runs import token_epoch
 from engine.shard import ShardEngine
+from engine.snapshot import Snapshot
 from sim.clock import NodeClock
 
 if TYPE_CHECKING:
@@ -84,6 +85,8 @@ class _Hosted:
     outbox: dict[int, Trigger | Register] = field(default_factory=dict)
     lease_next: int | None = None  # when the lease, and the engine, want a tick (mono)
     engine_next: int | None = None
+    since_snapshot: int = 0  # durable acknowledgements since the last snapshot
+    snapshot: Snapshot | None = None  # exported, waiting for its batch to be durable
 
 
 def _with_request_id(command: Command, request_id: int) -> Command:
@@ -267,12 +270,14 @@ class SimNode:
         self.k.trace("opening", self.name, f"s{hs.shard}", f"e{epoch}")
         incarnation, shard = self.incarnation, hs.shard
 
-        def reader(records: list[Record] | None) -> None:
-            self.receive(incarnation, self._opened, shard, epoch, records)
+        def reader(records: list[Record] | None, snap: Snapshot | None) -> None:
+            self.receive(incarnation, self._opened, shard, epoch, records, snap)
 
         self.w.stores[hs.shard].open(epoch, reader)
 
-    def _opened(self, shard: int, epoch: int, records: list[Record] | None) -> None:
+    def _opened(
+        self, shard: int, epoch: int, records: list[Record] | None, snap: Snapshot | None
+    ) -> None:
         hs = self.hosted.get(shard)
         if hs is None or not hs.opening or hs.epoch != epoch:
             return
@@ -293,6 +298,8 @@ class SimNode:
                 wall_ms=self._wall(),
                 mono_ms=mono,
                 config=self.w.engine_config,
+                directory=self.w.stores[shard].directory,
+                snapshot=snap,
             )
         except EngineError as error:
             self.k.trace("recover-refused", self.name, f"s{shard}", f"e{epoch}", error.code)
@@ -307,7 +314,7 @@ class SimNode:
     def _stop(self, hs: _Hosted, reason: str) -> None:
         if hs.engine is not None or hs.opening:
             self.k.trace("stop", self.name, f"s{hs.shard}", f"e{hs.epoch}", reason)
-        hs.engine, hs.opening = None, False
+        hs.engine, hs.opening, hs.snapshot, hs.since_snapshot = None, False, None, 0
         hs.requests.clear()
         hs.outbox.clear()
 
@@ -345,6 +352,22 @@ class SimNode:
         hs = self.hosted.get(shard)
         if hs is not None and hs.engine is not None and hs.epoch == epoch:
             self._touch(hs, engine=bool(self._call(hs, Durable(batch_id))))
+            self._snapshot(hs, batch_id)
+
+    def _snapshot(self, hs: _Hosted, durable: int) -> None:
+        """Every ``snapshot_every`` acknowledgements, export the engine's columns; store them
+        once the batch they reflect is durable (as the real node does)."""
+        engine = self._acting(hs)
+        if engine is None:
+            return
+        hs.since_snapshot += 1
+        if hs.snapshot is None and hs.since_snapshot >= self.w.config.snapshot_every:
+            hs.snapshot, hs.since_snapshot = engine.export_snapshot(), 0
+        snap = hs.snapshot
+        if snap is not None and snap.meta["batch"] <= durable:
+            hs.snapshot = None
+            self.w.observer.acted(self, hs.shard, hs.epoch, self.k.now, "snapshot")
+            self.w.stores[hs.shard].write_snapshot(self, hs.epoch, snap.meta["batch"], snap)
 
     # ---------------------------------------------------------------- clients
 
