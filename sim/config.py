@@ -64,7 +64,7 @@ class SimConfig:
     #: slack on top of the clock bounds for the "never early" check (latencies, ms rounding)
     early_slack_ms: int = 100
     #: an owner stores a columnar snapshot of a shard every this many durable batches
-    snapshot_every: int = 500
+    snapshot_every: int = 1_500
     #: sample the number of runs waiting (for the report's plot)
     samples: bool = True
     #: trace lines to keep for excerpts; strings that name what a re-run should keep
