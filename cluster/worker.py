@@ -28,6 +28,7 @@ import trio
 from cluster.client import Client, ClientError, ConnectionLost, RemoteError
 from cluster.runner import RunHandle, TaskNotRunnable, run_task
 from engine.effects import RunTicket
+from engine.lease import worker_fence_at
 
 log = logging.getLogger("tickwheel.worker")
 
@@ -37,15 +38,6 @@ HEARTBEAT_FRACTION = 3
 FENCE_MARGIN_MS = 2_000
 
 PayloadHandler = Callable[[RunTicket, Callable[[str, bytes], Awaitable[None]]], Awaitable[int]]
-
-
-def fence_deadline_ms(
-    last_ack_mono_ms: int, lease_ms: int, margin_ms: int = FENCE_MARGIN_MS
-) -> int:
-    """When a worker whose last heartbeat was acknowledged at ``last_ack_mono_ms`` must stop its
-    tasks: before the node can see its lease lapse (the node's lease starts at or after the
-    heartbeat was sent, so this is conservative), less a margin, at least half the lease."""
-    return last_ack_mono_ms + max(lease_ms - margin_ms, lease_ms // 2)
 
 
 def ticket_of(run: dict[str, Any]) -> RunTicket:
@@ -98,7 +90,8 @@ class WorkerAgent:
         self.held: dict[str, _Held] = {}  # run id -> run this worker holds
         self.waiting: list[RunTicket] = []  # dispatched beyond the free slots (several shards)
         self.lease_ms = 10_000
-        self.last_ack_ms = 0  # set by the first hello
+        # when the newest acknowledged heartbeat (or hello) left: what the fence counts from
+        self.acked_sent_ms = 0
         self.client: Client
         self.nursery: trio.Nursery
         self.completed = 0
@@ -130,6 +123,7 @@ class WorkerAgent:
         return held + [[t.run_id, t.token] for t in self.waiting]
 
     async def _hello(self) -> None:
+        sent = _mono_ms()
         result = await self.client.request(
             "worker.hello",
             {
@@ -140,7 +134,7 @@ class WorkerAgent:
             },
         )
         self.lease_ms = int(result["lease_ms"])
-        self.last_ack_ms = _mono_ms()
+        self.acked_sent_ms = sent
         # Reports the node may have missed while the connection was down.
         for rid, held in list(self.held.items()):
             if held.outcome is not None:
@@ -149,16 +143,17 @@ class WorkerAgent:
     async def _heartbeats(self) -> None:
         while True:
             await trio.sleep(self.lease_ms / HEARTBEAT_FRACTION / 1000)
+            sent = _mono_ms()
             try:
                 await self.client.request(
                     "worker.heartbeat",
                     {"held": self._held_list()},
                     timeout_s=self.lease_ms / HEARTBEAT_FRACTION / 1000,
                 )
-                self.last_ack_ms = _mono_ms()
+                self.acked_sent_ms = sent
             except ClientError as exc:
                 log.warning("heartbeat failed: %s", exc)
-            if _mono_ms() >= fence_deadline_ms(self.last_ack_ms, self.lease_ms):
+            if _mono_ms() >= worker_fence_at(self.acked_sent_ms, self.lease_ms, FENCE_MARGIN_MS):
                 self._fence()
 
     def _fence(self) -> None:

@@ -38,15 +38,6 @@ _PPM = 1_000_000
 # ------------------------------------------------------------------------ routing
 
 
-def shard_of(job_id: str, shards: int) -> int:
-    """The shard of ``job_id`` among ``shards``: blake2b of the id, so every node and every
-    process agrees (Python's ``hash`` is salted per process). O(len(job_id))."""
-    if shards < 1:
-        raise EngineUsageError(f"shards must be >= 1, got {shards}", field="shards")
-    digest = hashlib.blake2b(job_id.encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") % shards
-
-
 def preference(shard: int, nodes: Sequence[str]) -> list[str]:
     """``nodes`` in the order they offer to own ``shard`` (highest random weight first).
 
@@ -580,6 +571,20 @@ class ShardLease:
             self._out.append(Revoke(self._next_req(), self.shard, lease_id))
 
 
+# ------------------------------------------------------------------------ workers
+
+
+def worker_fence_at(heartbeat_sent_ms: int, lease_ms: int, margin_ms: int) -> int:
+    """When a worker must stop its tasks (DESIGN.md, "Workers fence themselves"), given when
+    it sent the newest heartbeat the node acknowledged (its own monotonic ms).
+
+    The node renewed the worker's lease when that heartbeat arrived, which is no earlier than
+    it left: counting from the send, less ``margin_ms`` (at least half the lease is kept), the
+    worker stops before the node can consider it gone, however slow the acknowledgement was.
+    """
+    return heartbeat_sent_ms + max(lease_ms - margin_ms, lease_ms // 2)
+
+
 __all__ = [
     "FENCE_MUTANTS",
     "LEASE_MUTANTS",
@@ -603,5 +608,5 @@ __all__ = [
     "StopActing",
     "clock_disagreement",
     "preference",
-    "shard_of",
+    "worker_fence_at",
 ]

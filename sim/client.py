@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from engine.effects import CancelJob, Command, CreateJob, PauseJob, ResumeJob, UpdateJob
 from engine.errors import EngineError
 from engine.jobs import JobSpec, apply_update, validate_job
-from engine.lease import shard_of
+from engine.routing import shard_of
 from engine.schedules import format_utc
 from sim.config import HOUR_MS, T0
 

@@ -54,9 +54,9 @@ from engine.lease import (
     StartActing,
     StopActing,
     preference,
-    shard_of,
 )
 from engine.records import Record
+from engine.routing import shard_of
 from engine.runs import token_epoch
 from engine.shard import ShardEngine
 from engine.snapshot import Snapshot

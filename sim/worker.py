@@ -30,7 +30,7 @@ from engine.effects import (
     RunTicket,
     WorkerHello,
 )
-from engine.lease import ShardView
+from engine.lease import ShardView, worker_fence_at
 from engine.runs import token_epoch
 
 if TYPE_CHECKING:
@@ -252,7 +252,11 @@ class SimWorker:
         sent_at, was_hello = sent
         session.fence_at = max(
             session.fence_at,
-            sent_at + self.w.engine_config.worker_lease_ms - self.w.config.worker_fence_margin_ms,
+            worker_fence_at(
+                sent_at,
+                self.w.engine_config.worker_lease_ms,
+                self.w.config.worker_fence_margin_ms,
+            ),
         )
         self._arm_fence(shard)
         if was_hello and not session.greeted:

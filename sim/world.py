@@ -12,8 +12,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.lease import EpochFence, LeaseConfig, shard_of
+from engine.lease import EpochFence, LeaseConfig
 from engine.records import expand
+from engine.routing import shard_of
 from engine.shard import EngineConfig
 from sim.checks import Observer, Violation, final_checks
 from sim.client import NAME as CLIENT

@@ -47,8 +47,8 @@ from engine.lease import (
     StopActing,
     clock_disagreement,
     preference,
-    shard_of,
 )
+from engine.routing import shard_of
 
 T0 = 1_767_225_600_000
 CONFIG = LeaseConfig(
