@@ -66,7 +66,7 @@ from engine.effects import (
 )
 from engine.errors import EngineError, JobNotFound, RunNotFound
 from engine.jobs import JobSpec, apply_update, new_job_id, validate_job, validate_job_id
-from engine.routing import shard_of
+from engine.routing import shard_of, shard_of_run
 from engine.runs import parse_run_id, run_id
 from engine.schedules import format_utc, preview
 from engine.shard import EngineConfig, ShardEngine
@@ -915,21 +915,22 @@ class Node:
         session = WorkerSession(worker_id, tiers, slots, conn)
         conn.worker = session
         self.workers[worker_id] = session
-        for host in self.hosts:
-            mine = tuple(
-                h for h in held if shard_of(h[0].rsplit("@", 1)[0], self.shards) == host.index
-            )
+        for host, mine in zip(self.hosts, self._by_shard(held), strict=True):
             host.tell(WorkerHello(worker_id, tiers, slots, mine))
         return {"lease_ms": self.config.worker_lease_ms, "shards": self.shards}
+
+    def _by_shard(self, held: tuple[tuple[str, int], ...]) -> list[tuple[tuple[str, int], ...]]:
+        """The runs a worker holds, split by the shard each belongs to (index = shard)."""
+        split: list[list[tuple[str, int]]] = [[] for _ in self.hosts]
+        for rid, token in held:
+            split[shard_of_run(rid, self.shards)].append((rid, token))
+        return [tuple(runs) for runs in split]
 
     def _heartbeat(self, conn: Connection, args: dict[str, Any]) -> Any:
         session = conn.worker
         assert session is not None
         held = _held(args.get("held", []))
-        for host in self.hosts:
-            mine = tuple(
-                h for h in held if shard_of(h[0].rsplit("@", 1)[0], self.shards) == host.index
-            )
+        for host, mine in zip(self.hosts, self._by_shard(held), strict=True):
             host.tell(Heartbeat(session.worker_id, mine))
         return {"lease_ms": self.config.worker_lease_ms}
 
@@ -948,8 +949,7 @@ class Node:
         session = conn.worker
         assert session is not None
         rid = args["run_id"]
-        parse_run_id(rid)
-        self.host_of(rid.rsplit("@", 1)[0]).tell(
+        self.hosts[shard_of_run(rid, self.shards)].tell(
             ReportStarted(session.worker_id, rid, args["token"])
         )
         return {}
@@ -958,8 +958,7 @@ class Node:
         session = conn.worker
         assert session is not None
         rid = args["run_id"]
-        parse_run_id(rid)
-        self.host_of(rid.rsplit("@", 1)[0]).tell(
+        self.hosts[shard_of_run(rid, self.shards)].tell(
             ReportFinished(
                 session.worker_id, rid, args["token"], args["outcome"], args.get("exit_code")
             )
