@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,28 +112,31 @@ async def _connections(port: int, specs: list[dict[str, Any]], cap_s: float) -> 
     return Outcome(done, time.perf_counter() - start)
 
 
-async def _create_many(port: int, specs: list[dict[str, Any]], cap_s: float) -> Outcome:
-    """Batches of ``BATCH`` specs, ``BATCHES_IN_FLIGHT`` per connection at any moment."""
-    batches = [specs[i : i + BATCH] for i in range(0, len(specs), BATCH)]
+async def _lanes(
+    port: int,
+    items: list[Any],
+    per_connection: int,
+    cap_s: float,
+    send: Callable[[Client, Any], Awaitable[int]],
+) -> Outcome:
+    """``PIPE_CONNECTIONS`` connections with ``per_connection`` lanes each, every lane taking
+    the next item and awaiting ``send(client, item)`` (the creates it acknowledged), until the
+    items or ``cap_s`` run out."""
     done = 0
     next_index = 0
     deadline = 0.0
 
     async def lane(client: Client) -> None:
         nonlocal done, next_index
-        while next_index < len(batches) and time.perf_counter() < deadline:
-            batch = batches[next_index]
+        while next_index < len(items) and time.perf_counter() < deadline:
+            item = items[next_index]
             next_index += 1
-            results = await client.request("job.create_many", {"specs": batch}, timeout_s=120)
-            bad = [r for r in results["results"] if not r["ok"]]
-            if bad:
-                raise RuntimeError(f"create_many refused {len(bad)} specs: {bad[0]}")
-            done += len(batch)
+            done += await send(client, item)
 
     async def connection() -> None:
         async with Client.connect("127.0.0.1", port, reconnect=False) as client:
             async with trio.open_nursery() as nursery:
-                for _ in range(BATCHES_IN_FLIGHT):
+                for _ in range(per_connection):
                     nursery.start_soon(lane, client)
 
     start = time.perf_counter()
@@ -141,34 +145,30 @@ async def _create_many(port: int, specs: list[dict[str, Any]], cap_s: float) -> 
         for _ in range(PIPE_CONNECTIONS):
             nursery.start_soon(connection)
     return Outcome(done, time.perf_counter() - start)
+
+
+async def _create_many(port: int, specs: list[dict[str, Any]], cap_s: float) -> Outcome:
+    """Batches of ``BATCH`` specs, ``BATCHES_IN_FLIGHT`` per connection at any moment."""
+
+    async def send(client: Client, batch: list[dict[str, Any]]) -> int:
+        results = await client.request("job.create_many", {"specs": batch}, timeout_s=120)
+        bad = [r for r in results["results"] if not r["ok"]]
+        if bad:
+            raise RuntimeError(f"create_many refused {len(bad)} specs: {bad[0]}")
+        return len(batch)
+
+    batches = [specs[i : i + BATCH] for i in range(0, len(specs), BATCH)]
+    return await _lanes(port, batches, BATCHES_IN_FLIGHT, cap_s, send)
 
 
 async def _pipelined_creates(port: int, specs: list[dict[str, Any]], cap_s: float) -> Outcome:
     """``job.create`` requests, ``CREATES_IN_FLIGHT`` in flight per connection."""
-    done = 0
-    next_index = 0
-    deadline = 0.0
 
-    async def lane(client: Client) -> None:
-        nonlocal done, next_index
-        while next_index < len(specs) and time.perf_counter() < deadline:
-            spec = specs[next_index]
-            next_index += 1
-            await client.request("job.create", {"spec": spec}, timeout_s=120)
-            done += 1
+    async def send(client: Client, spec: dict[str, Any]) -> int:
+        await client.request("job.create", {"spec": spec}, timeout_s=120)
+        return 1
 
-    async def connection() -> None:
-        async with Client.connect("127.0.0.1", port, reconnect=False) as client:
-            async with trio.open_nursery() as nursery:
-                for _ in range(CREATES_IN_FLIGHT):
-                    nursery.start_soon(lane, client)
-
-    start = time.perf_counter()
-    deadline = start + cap_s
-    async with trio.open_nursery() as nursery:
-        for _ in range(PIPE_CONNECTIONS):
-            nursery.start_soon(connection)
-    return Outcome(done, time.perf_counter() - start)
+    return await _lanes(port, specs, CREATES_IN_FLIGHT, cap_s, send)
 
 
 async def _check(port: int, specs: list[dict[str, Any]], done: int) -> None:
