@@ -21,7 +21,9 @@ family       key                                        value
 ``history``  i64 key, i64 time, u64 epoch, u64 batch,   a ``skip`` (time = lo) or ``note`` record
              u32 index in batch
 ``bytime``   i64 time, i64 key                          empty: what age retention visits
-``nruns``    i64 key                                    u64 number of runs stored for the job
+``nruns``    i64 key                                    u64 number of runs stored for the job, then
+                                                        i64 the newest run time it ever stored
+                                                        (absent in values of older versions)
 ``logs``     i64 key, i64 scheduled ms, u32 chunk       run output (:mod:`wal.logs`)
 ``snapshot`` u64 seq + ``a`` + name + NUL + u32 chunk   raw array bytes, at most 4 MiB each
              u64 seq + ``m``                            {arrays: {name: dtype, shape, ...}, meta}
@@ -30,12 +32,16 @@ family       key                                        value
 ============ ========================================== ==============================================
 
 The class byte in ``pos`` and ``runs`` lets a write learn what a key held before (for the
-counts) from one multi-get per group, without decoding the old record.
+counts) from one multi-get per group, without decoding the old record. Most groups need no read
+at all: the store remembers the classes it wrote last (bounded caches, exact because it is the
+directory's only writer), and a run scheduled after the newest run its job ever stored (kept in
+``nruns``) was never held.
 """
 
 from __future__ import annotations
 
 import os
+import struct
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -115,6 +121,28 @@ _RUN_COUNTS: Final = ((0, 0), (1, 0), (0, 1))
 _RUN_BYTES: Final = tuple(bytes((c,)) for c in range(3))
 
 _EMPTY: Final = b""
+# Count deltas of a run going from class old (-1: never held, counted as other) to class new,
+# indexed [old + 1][new].
+_RUN_DELTAS: Final = tuple(
+    tuple(
+        (
+            _RUN_COUNTS[new][0] - _RUN_COUNTS[max(old, 0)][0],
+            _RUN_COUNTS[new][1] - _RUN_COUNTS[max(old, 0)][1],
+        )
+        for new in range(3)
+    )
+    for old in range(-1, 3)
+)
+_RUN_CLASS: Final = {"PENDING": _RUN_PENDING, **{s: _RUN_IN_FLIGHT for s in IN_FLIGHT_VALUES}}
+_I64_PAIR: Final = struct.Struct(">QQ")
+_FIXARRAY: Final = tuple(bytes((0x90 | n,)) for n in range(16))
+_I64_OFFSET: Final = 1 << 63
+#: Entries each of the store's write caches (position classes, run classes, per-job run count
+#: and newest run time) may hold before it is emptied: a few MB per shard, enough for every key
+#: a busy shard touches between a run's creation and its end.
+CACHE_ENTRIES: Final = 1 << 16
+#: A job whose newest stored run time is unknown (an ``nruns`` value of an older version).
+_UNKNOWN_AT: Final = codec.I64_MAX
 
 
 @dataclass(frozen=True)
@@ -210,7 +238,7 @@ class PreparedBatch:
     log_value: bytes
     puts: list[tuple[int, bytes, bytes]]  # (column family, key, value)
     pos: list[tuple[bytes, int]]  # (pos key, class)
-    runs: list[tuple[bytes, int, int]]  # (run key, class, job key)
+    runs: list[tuple[bytes, int, int, int]]  # (run key, class, job key, scheduled ms)
     size: int
 
 
@@ -246,6 +274,12 @@ class ShardStore:
         self._counts = [0, 0, 0, 0, 0]
         self._failed: StoreFailure | None = None
         self._touched: set[int] = set()  # jobs given a new run since the last retain()
+        # What this store wrote last, so that a group need not read it back for the counts
+        # (exact: the LOCK makes the store the directory's only writer): the class of
+        # positions and runs by key, and per job (runs stored, newest run time ever stored).
+        self._pos_cls: dict[bytes, int] = {}
+        self._run_cls: dict[bytes, int] = {}
+        self._job_runs: dict[int, tuple[int, int]] = {}
         # A msgpack Packer keeps a buffer between calls: one per thread (prepare() runs in every
         # producer's thread).
         self._packers = threading.local()
@@ -445,11 +479,12 @@ class ShardStore:
         if packer is None:
             packer = self._packers.packer = msgpack.Packer(use_bin_type=True)
         pack = packer.pack
+        records = batch.records
         encoded: list[bytes] = []
         puts: list[tuple[int, bytes, bytes]] = []
         pos: list[tuple[bytes, int]] = []
-        runs: list[tuple[bytes, int, int]] = []
-        for index, record in enumerate(batch.records):
+        runs: list[tuple[bytes, int, int, int]] = []
+        for index, record in enumerate(records):
             check(record)
             data = pack(record)
             encoded.append(data)
@@ -491,15 +526,12 @@ class ShardStore:
             # them on recovery; no query reads them.
         # The log value is msgpack [batch id, epoch, [records]], assembled from the records'
         # bytes already encoded above instead of encoding every record twice.
-        log_value = b"".join(
-            (
-                b"\x93",  # a msgpack array of 3
-                pack(batch.batch_id),
-                pack(batch.epoch),
-                packer.pack_array_header(len(encoded)),
-                *encoded,
-            )
-        )
+        head = b"\x93" + pack(batch.batch_id) + pack(batch.epoch)
+        n = len(encoded)
+        if n < 16:  # a fixarray header: one byte
+            log_value = b"".join((head, _FIXARRAY[n], *encoded))
+        else:
+            log_value = b"".join((head, packer.pack_array_header(n), *encoded))
         # The size bounds a group's memory (CommitPolicy.max_bytes): the routed copies are
         # about as large as the log value again.
         return PreparedBatch(
@@ -544,66 +576,151 @@ class ShardStore:
                 for cf, k, v in p.puts:
                     put(k, v, h[cf])
             seq -= 1
-            seqs = list(range(first, seq + 1))
             counts = self._counts.copy()
-            touched = self._account(wb, prepared, counts)
+            learned = self._account(wb, prepared, counts)
             if counts != self._counts:
                 put(b"counts", codec.pack(counts), h[_META])
             self._commit(wb, f"writing batches {prepared[0].batch_id}..{prepared[-1].batch_id}")
             self._last_seq = seq
             self._counts = counts
-            self._touched.update(touched)
-            return seqs
+            self._learn(*learned)
+            return list(range(first, seq + 1))
 
     def _account(
         self, wb: WriteBatch, prepared: Sequence[PreparedBatch], counts: list[int]
-    ) -> set[int]:
+    ) -> tuple[dict[bytes, int], dict[bytes, int], dict[int, list[int]], set[int]]:
         """Update ``counts`` for what the group changes, adding per-job run counts and the
-        time index of new runs to ``wb``. Reads what the keys held before with one multi-get
-        per column family; keys written twice in the group see their earlier value."""
-        pos = [e for p in prepared if p.pos for e in p.pos]
-        runs = [e for p in prepared if p.runs for e in p.runs]
-        touched: set[int] = set()
-        if pos:
-            current = self._classes(self._cf[_POS], {k for k, _ in pos})
-            for k, cls in pos:
-                old = max(current[k], _POS_NONE)  # never held counts as nothing
-                if old != cls:
-                    was, now = _POS_COUNTS[old], _POS_COUNTS[cls]
-                    counts[0] += now[0] - was[0]
-                    counts[1] += now[1] - was[1]
-                    counts[2] += now[2] - was[2]
-                    current[k] = cls
-        if runs:
-            current = self._classes(self._cf[_RUNS], {k for k, _, _ in runs})
-            new_per_job: dict[int, int] = {}
-            put = wb.put
-            bytime = self._h[_BYTIME]
-            for k, cls, job in runs:
-                old = current[k]
-                if old == -1:  # a run this store has never held: index it
-                    new_per_job[job] = new_per_job.get(job, 0) + 1
-                    put(k[8:16] + k[:8], _EMPTY, bytime)
-                    old = _RUN_OTHER
-                if old != cls:
-                    counts[3] += _RUN_COUNTS[cls][0] - _RUN_COUNTS[old][0]
-                    counts[4] += _RUN_COUNTS[cls][1] - _RUN_COUNTS[old][1]
-                current[k] = cls
-            if new_per_job:
-                keys = [codec.i64(j) for j in new_per_job]
-                olds = self._multiget(self._cf[_NRUNS], keys)
-                nruns = self._h[_NRUNS]
-                for jk, added, old_n in zip(keys, new_per_job.values(), olds, strict=True):
-                    n = (0 if old_n is None else codec.read_u64(old_n)) + added
-                    put(jk, codec.u64(n), nruns)
-                touched.update(new_per_job)
-        return touched
+        time index of new runs to ``wb``. Returns what the group leaves in the keys it touched
+        (position classes, run classes, per job [runs stored, newest run time]) and the jobs
+        given new runs, for :meth:`_learn` once the write is durable.
 
-    def _classes(self, cf: Rdict, keys: set[bytes]) -> dict[bytes, int]:
-        """key -> the class byte of its stored value, -1 for a key never held. One multi-get."""
-        order = list(keys)
-        values = self._multiget(cf, order)
-        return {k: (-1 if v is None else v[0]) for k, v in zip(order, values, strict=True)}
+        What a key held before comes from the write caches, else — a run scheduled after the
+        newest its job ever stored was never held — from one multi-get per family for the keys
+        left; keys written twice in the group see their earlier value. O(records)."""
+        pos_now: dict[bytes, int] = {}
+        run_now: dict[bytes, int] = {}
+        jobs: dict[int, list[int]] = {}
+        for p in prepared:
+            if p.pos:
+                self._account_pos(p.pos, pos_now, counts)
+        runs = [e for p in prepared if p.runs for e in p.runs]
+        added: set[int] = set()
+        if not runs:
+            return pos_now, run_now, jobs, added
+        job_cache = self._job_runs
+        missing: list[int] = []
+        for _rk, _cls, job, _at in runs:
+            if job not in jobs:
+                known = job_cache.get(job)
+                if known is None:
+                    missing.append(job)
+                    jobs[job] = [0, _UNKNOWN_AT]
+                else:
+                    jobs[job] = [known[0], known[1]]
+        if missing:
+            stored = self._multiget(self._cf[_NRUNS], [codec.i64(j) for j in missing])
+            for job, raw in zip(missing, stored, strict=True):
+                # nruns is written with a job's first run, in the same atomic write: no value,
+                # no run ever stored. A value without the time (an older version's): unknown.
+                if raw is None:
+                    jobs[job] = [0, codec.I64_MIN]
+                elif len(raw) >= 16:
+                    jobs[job] = [codec.read_u64(raw), codec.read_i64(raw, 8)]
+                else:
+                    jobs[job] = [codec.read_u64(raw), _UNKNOWN_AT]
+        run_cache = self._run_cls
+        put = wb.put
+        bytime = self._h[_BYTIME]
+        unread: list[tuple[bytes, int, int]] = []
+        for rk, cls, job, at in runs:
+            old = run_now.get(rk)
+            if old is None:
+                state = jobs[job]
+                if at > state[1]:  # after every run the job ever stored: never held
+                    old = -1
+                    state[1] = at
+                else:
+                    old = run_cache.get(rk)
+                    if old is None:  # read below; a later write of the key sees cls
+                        unread.append((rk, cls, job))
+                        run_now[rk] = cls
+                        continue
+            if old == -1:  # a run this store has never held: index and count it
+                jobs[job][0] += 1
+                added.add(job)
+                put(rk[8:16] + rk[:8], _EMPTY, bytime)
+            if old != cls:
+                delta = _RUN_DELTAS[old + 1][cls]
+                counts[3] += delta[0]
+                counts[4] += delta[1]
+            run_now[rk] = cls
+        if unread:
+            stored = self._multiget(self._cf[_RUNS], [rk for rk, _, _ in unread])
+            for (rk, cls, job), raw in zip(unread, stored, strict=True):
+                old = -1 if raw is None else raw[0]
+                if old == -1:
+                    jobs[job][0] += 1
+                    added.add(job)
+                    put(rk[8:16] + rk[:8], _EMPTY, bytime)
+                if old != cls:
+                    delta = _RUN_DELTAS[old + 1][cls]
+                    counts[3] += delta[0]
+                    counts[4] += delta[1]
+        nruns = self._h[_NRUNS]
+        i64 = codec.i64
+        for job in added:
+            n, newest = jobs[job]
+            value = (
+                codec.u64(n) if newest == _UNKNOWN_AT else _I64_PAIR.pack(n, newest + _I64_OFFSET)
+            )
+            put(i64(job), value, nruns)
+        return pos_now, run_now, jobs, added
+
+    def _account_pos(
+        self, entries: list[tuple[bytes, int]], pos_now: dict[bytes, int], counts: list[int]
+    ) -> None:
+        cache = self._pos_cls
+        missing = [k for k, _ in entries if k not in pos_now and k not in cache]
+        if missing:
+            stored = self._multiget(self._cf[_POS], missing)
+            for k, raw in zip(missing, stored, strict=True):
+                pos_now[k] = _POS_NONE if raw is None else raw[0]  # never held: nothing
+        for k, cls in entries:
+            old = pos_now.get(k)
+            if old is None:
+                old = cache[k]
+            if old != cls:
+                was, now = _POS_COUNTS[old], _POS_COUNTS[cls]
+                counts[0] += now[0] - was[0]
+                counts[1] += now[1] - was[1]
+                counts[2] += now[2] - was[2]
+            pos_now[k] = cls
+
+    def _learn(
+        self,
+        pos_now: dict[bytes, int],
+        run_now: dict[bytes, int],
+        jobs: dict[int, list[int]],
+        added: set[int],
+    ) -> None:
+        """Remember what a durable group left in its keys (see :meth:`_account`); a cache
+        that grows past :data:`CACHE_ENTRIES` starts again empty."""
+        if pos_now:
+            if len(self._pos_cls) + len(pos_now) > CACHE_ENTRIES:
+                self._pos_cls = {}
+            self._pos_cls.update(pos_now)
+        if run_now:
+            if len(self._run_cls) + len(run_now) > CACHE_ENTRIES:
+                self._run_cls = {}
+            self._run_cls.update(run_now)
+        if jobs:
+            if len(self._job_runs) + len(jobs) > CACHE_ENTRIES:
+                self._job_runs = {}
+            cache = self._job_runs
+            for job, (n, newest) in jobs.items():
+                cache[job] = (n, newest)
+        if added:
+            self._touched.update(added)
 
     def _multiget(self, cf: Rdict, keys: list[bytes]) -> list[bytes | None]:
         wanted: list[str | int | float | bytes | bool] = list(keys)
@@ -948,10 +1065,19 @@ class ShardStore:
                 self._retain_by_age(wb, now_ms - policy.max_age_ms, max_entries, report, nruns)
             if policy.max_runs_per_job is not None:
                 self._retain_by_count(wb, policy.max_runs_per_job, report, nruns)
-            for job, n in nruns.items():
-                wb.put(codec.i64(job), codec.u64(n), self._h[_NRUNS])
+            if nruns:
+                order = list(nruns)
+                stored = self._multiget(self._cf[_NRUNS], [codec.i64(j) for j in order])
+                for job, raw in zip(order, stored, strict=True):
+                    # keep the newest run time: deleting runs does not make older times new
+                    newest = b"" if raw is None else raw[8:16]
+                    wb.put(codec.i64(job), codec.u64(nruns[job]) + newest, self._h[_NRUNS])
             if len(wb):
                 self._commit(wb, "deleting old run history", sync=False)
+                # Deleted runs are never held again; forget what the caches say of them.
+                self._run_cls = {}
+                for job in nruns:
+                    self._job_runs.pop(job, None)
         return report
 
     def _retain_by_age(
@@ -1060,19 +1186,13 @@ def _route_run(
     record: Record,
     data: bytes,
     puts: list[tuple[int, bytes, bytes]],
-    runs: list[tuple[bytes, int, int]],
+    runs: list[tuple[bytes, int, int, int]],
 ) -> None:
-    key = record["key"]
-    rk = codec.i64(key) + codec.i64(record["at"])
-    state = record["state"]
-    if state == "PENDING":
-        cls = _RUN_PENDING
-    elif state in IN_FLIGHT_VALUES:
-        cls = _RUN_IN_FLIGHT
-    else:
-        cls = _RUN_OTHER
+    key, at = record["key"], record["at"]
+    rk = _I64_PAIR.pack(key + _I64_OFFSET, at + _I64_OFFSET)
+    cls = _RUN_CLASS.get(record["state"], _RUN_OTHER)
     puts.append((_RUNS, rk, _RUN_BYTES[cls] + data))
-    runs.append((rk, cls, key))
+    runs.append((rk, cls, key, at))
 
 
 def _route_pos(

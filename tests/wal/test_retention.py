@@ -107,3 +107,30 @@ def test_retention_and_counts_survive_reopen(tmp_path: Path) -> None:
         assert ats(store, 1) == [T0 + 100]
         assert store.counts == counts and counts.runs_pending == 1
         assert store.run_count(1) == 1
+
+
+def test_a_deleted_run_written_again_is_new_again(tmp_path: Path) -> None:
+    # The store remembers each job's newest run time so that a later run needs no read; a run
+    # at or before it that retention deleted must still count as new when written again.
+    with open_store(tmp_path) as store:
+        store.write([created(1)])
+        store.write([batch(10 + d, run(1, T0 + d * DAY, "SUCCESS")) for d in range(5)])
+        assert store.retain(T0 + 12 * DAY, AGE).runs_deleted == 2
+        assert store.run_count(1) == 3
+        store.write([batch(20, run(1, T0, "PENDING"))])  # deleted above, written again
+        assert store.run_count(1) == 4 and store.counts.runs_pending == 1
+        assert ats(store, 1) == [T0 + d * DAY for d in (0, 2, 3, 4)]
+        # ... and the time index has it again: the next age pass finds it once it is final
+        store.write([batch(21, run(1, T0, "SUCCESS"))])
+        assert store.counts.runs_pending == 0
+        assert store.retain(T0 + 12 * DAY, AGE).runs_deleted == 1
+    with open_store(tmp_path, epoch=2) as store:  # no caches: everything read back
+        assert store.run_count(1) == 3 and store.counts.runs_pending == 0
+        store.write(
+            [
+                batch(30, run(1, T0 + 2 * DAY, "RUNNING"), epoch=2),
+                batch(31, run(1, T0 + 9 * DAY), epoch=2),
+            ]
+        )
+        assert store.run_count(1) == 4
+        assert store.counts.runs_in_flight == 1 and store.counts.runs_pending == 1

@@ -298,3 +298,22 @@ def test_a_closed_store_refuses_everything(tmp_path: Path) -> None:
         store.key_of("job-0")
     with pytest.raises(StoreClosed):
         store.load()
+
+
+def test_run_counts_of_a_store_written_by_an_older_version(tmp_path: Path) -> None:
+    # Older versions kept only the number of runs in `nruns`, not the newest run's time:
+    # without it every run of that job is looked up before it is counted as new.
+    from wal import codec
+    from wal.store import _NRUNS
+
+    with ShardStore.open(tmp_path, shard=0, shards=1, epoch=1) as store:
+        store.write([created(1), batch(10, run(1, T0 + 10)), batch(11, run(1, T0 + 20))])
+        store._cf[_NRUNS][codec.i64(1)] = codec.u64(2)  # as an older version left it
+    with ShardStore.open(tmp_path, shard=0, shards=1, epoch=2) as store:
+        store.write(
+            [batch(20, run(1, T0 + 10, "CLAIMED"), run(1, T0 + 15), run(1, T0 + 30), epoch=2)]
+        )
+        assert store.run_count(1) == 4
+        assert store.counts.runs_pending == 3 and store.counts.runs_in_flight == 1
+        store.write([batch(21, run(1, T0 + 15, "SUCCESS"), run(1, T0 + 5), epoch=2)])
+        assert store.run_count(1) == 5 and store.counts.runs_pending == 3
