@@ -17,7 +17,7 @@ import _thread
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -28,6 +28,10 @@ from wal.store import PreparedBatch, ShardStore
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+#: Serialises the creation of a ticket's lock by its first waiters (rare: most tickets are
+#: answered by callback, and a waited-for ticket makes its lock once).
+_WAITER_LOCK = _thread.allocate_lock()
 
 
 @dataclass(frozen=True)
@@ -63,9 +67,15 @@ class CommitQueue(Generic[T]):
     def take(self) -> list[T]:
         """The next group, in submission order: at least one item when any is queued, then
         more while the group stays within the policy's bounds."""
-        out: list[T] = []
-        total = 0
         items, policy = self._items, self.policy
+        if len(items) <= policy.max_batches and self._bytes <= policy.max_bytes:
+            # Everything waiting fits (the usual case): one pass in C, not a step per item.
+            out = [item for item, _ in items]
+            items.clear()
+            self._bytes = 0
+            return out
+        out = []
+        total = 0
         while items and len(out) < policy.max_batches:
             item, size = items[0]
             if out and total + size > policy.max_bytes:
@@ -95,10 +105,10 @@ class Ticket:
         self.seq: int | None = None
         self.error: StoreError | None = None
         self._callback = callback
-        # A lock acquired now and released on resolution: the cheapest one-shot event CPython
-        # has (one C call each side), which matters with hundreds of waiting producers.
-        self._lock = _thread.allocate_lock()
-        self._lock.acquire()
+        # The lock a waiter blocks on, made by the first wait(): most tickets are answered by
+        # callback and never waited for, and a lock per batch is a measurable part of a
+        # batch's cost at hundreds of thousands of batches a second.
+        self._lock: _thread.LockType | None = None
 
     def done(self) -> bool:
         return self.seq is not None or self.error is not None
@@ -108,9 +118,20 @@ class Ticket:
         :class:`~wal.errors.StoreError`, or :class:`TimeoutError` after ``timeout`` seconds
         (the batch may still become durable later)."""
         if not self.done():
-            if not self._lock.acquire(True, -1 if timeout is None else timeout):
-                raise TimeoutError(f"batch {self.batch_id} not durable after {timeout} s")
-            self._lock.release()
+            lock = self._lock
+            if lock is None:
+                with _WAITER_LOCK:  # two first waiters must not make two locks
+                    lock = self._lock
+                    if lock is None:
+                        lock = _thread.allocate_lock()
+                        lock.acquire()  # released by _resolve
+                        self._lock = lock
+            # _resolve sets the result before it looks for the lock: either it finds this
+            # lock and releases it, or the result is already visible here.
+            if not self.done():
+                if not lock.acquire(True, -1 if timeout is None else timeout):
+                    raise TimeoutError(f"batch {self.batch_id} not durable after {timeout} s")
+                lock.release()  # for any other waiter of the same ticket
         if self.error is not None:
             raise self.error
         assert self.seq is not None
@@ -118,7 +139,9 @@ class Ticket:
 
     def _resolve(self, seq: int | None, error: StoreError | None) -> None:
         self.seq, self.error = seq, error
-        self._lock.release()
+        lock = self._lock
+        if lock is not None:
+            lock.release()
         if self._callback is not None:
             try:
                 self._callback(self)
@@ -132,9 +155,10 @@ class GroupCommitter:
     :meth:`submit` checks and encodes the batch in the caller's thread (a bad or stale batch
     fails there, alone, nothing queued) and returns a :class:`Ticket`; the writer resolves
     tickets in submission order after the group's fsync, and calls each ticket's callback (on
-    the writer thread). A failed write fails every ticket of its group with the typed error;
-    after a :class:`~wal.errors.StoreFailure` the store refuses writes, so every later group
-    fails fast too. Thread-safe.
+    the writer thread), then ``on_group`` once with the whole group's tickets: one hand-off per
+    group (an event loop woken once per fsync, not once per batch). A failed write fails every
+    ticket of its group with the typed error; after a :class:`~wal.errors.StoreFailure` the
+    store refuses writes, so every later group fails fast too. Thread-safe.
     """
 
     def __init__(
@@ -143,8 +167,10 @@ class GroupCommitter:
         policy: CommitPolicy | None = None,
         *,
         name: str = "wal-commit",
+        on_group: Callable[[Sequence[Ticket]], None] | None = None,
     ) -> None:
         self.store = store
+        self._on_group = on_group
         self._queue: CommitQueue[tuple[PreparedBatch, Ticket]] = CommitQueue(policy)
         self._cond = threading.Condition(threading.Lock())
         self._closing = False
@@ -201,10 +227,16 @@ class GroupCommitter:
                 log.exception("group commit failed unexpectedly")
                 error = StoreIOError(f"group commit failed: {exc!r}", path=self.store.path)
             self.groups += 1
+            tickets = [ticket for _, ticket in group]
             if error is not None:
-                for _, ticket in group:
+                for ticket in tickets:
                     ticket._resolve(None, error)
-                continue
-            self.batches += len(group)
-            for (_, ticket), seq in zip(group, seqs, strict=True):
-                ticket._resolve(seq, None)
+            else:
+                self.batches += len(group)
+                for ticket, seq in zip(tickets, seqs, strict=True):
+                    ticket._resolve(seq, None)
+            if self._on_group is not None:
+                try:
+                    self._on_group(tickets)
+                except Exception:  # like a ticket's callback: must not stop the writer
+                    log.exception("group callback failed")

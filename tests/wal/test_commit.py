@@ -6,6 +6,8 @@ import threading
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from engine.effects import Persist
 from tests.wal.records import T0, batch, created, run
@@ -38,6 +40,42 @@ def test_queue_cuts_groups_by_count_and_bytes() -> None:
     assert q.take() == [7]
     with pytest.raises(ValueError):
         CommitPolicy(max_batches=0)
+
+
+def reference_take(queue: list[tuple[int, int]], policy: CommitPolicy) -> list[int]:
+    """The cut rule, stated simply: FIFO; at least one item; then more while the group stays
+    within both bounds."""
+    out: list[int] = []
+    total = 0
+    while queue and len(out) < policy.max_batches:
+        item, size = queue[0]
+        if out and total + size > policy.max_bytes:
+            break
+        queue.pop(0)
+        out.append(item)
+        total += size
+    return out
+
+
+@given(
+    st.integers(1, 6),
+    st.integers(1, 100),
+    st.lists(st.one_of(st.integers(0, 60), st.none()), max_size=60),
+)
+def test_queue_cuts_groups_as_the_reference_does(
+    max_batches: int, max_bytes: int, steps: list[int | None]
+) -> None:
+    # None: take a group; a size: push an item of that size
+    policy = CommitPolicy(max_batches=max_batches, max_bytes=max_bytes)
+    q: CommitQueue[int] = CommitQueue(policy)
+    model: list[tuple[int, int]] = []
+    for i, step in enumerate(steps + [None] * len(steps)):
+        if step is None:
+            assert q.take() == reference_take(model, policy)
+        else:
+            q.push(i, step)
+            model.append((i, step))
+        assert len(q) == len(model) and q.queued_bytes == sum(s for _, s in model)
 
 
 # ------------------------------------------------------------------------- the writer
@@ -166,6 +204,34 @@ def test_a_broken_callback_does_not_stop_the_writer(tmp_path: Path) -> None:
     with GroupCommitter(store) as committer:
         committer.submit(created(0), callback=boom)
         assert committer.submit(created(1)).wait(10) == 2
+    store.close()
+
+
+def test_one_group_callback_per_write(tmp_path: Path) -> None:
+    store = open_counting(tmp_path)
+    groups: list[list[tuple[int, int | None]]] = []
+    with GroupCommitter(
+        store, on_group=lambda ts: groups.append([(t.batch_id, t.seq) for t in ts])
+    ) as committer:
+        tickets = [committer.submit(created(k)) for k in range(30)]
+        assert [t.wait(10) for t in tickets] == list(range(1, 31))
+    assert len(groups) == len(store.writes) and [len(g) for g in groups] == store.writes
+    assert [b for g in groups for b, _ in g] == list(range(30))
+    assert [s for g in groups for _, s in g] == list(range(1, 31))
+    store.close()
+
+
+def test_many_threads_wait_for_one_ticket(tmp_path: Path) -> None:
+    store = open_counting(tmp_path)
+    with GroupCommitter(store) as committer:
+        ticket = committer.submit(created(0))
+        seen: list[int] = []
+        waiters = [threading.Thread(target=lambda: seen.append(ticket.wait(10))) for _ in range(8)]
+        for w in waiters:
+            w.start()
+        for w in waiters:
+            w.join()
+    assert seen == [1] * 8 and ticket.wait() == 1
     store.close()
 
 
