@@ -2,10 +2,13 @@
 
 Owns three workloads, all on a real RocksDB directory in the system's temp dir:
 
-* ``durable_records_per_s``: P producer threads (1, 16, 256), each submitting a batch of one
-  record (a run created PENDING, as a fire persists it) through group commit and waiting for its
-  acknowledgement, for a fixed time (or ``--jobs N`` batches per measurement, whichever comes
-  first). The anchor is the loop a team writes first: ``os.write`` + ``os.fdatasync`` of the same
+* ``durable_records_per_s``: P producers (1, 16, 256), each submitting a batch of one record
+  (a new run of its job created PENDING, as a fire persists it) through group commit and
+  waiting for its acknowledgement before the next, for a fixed time (or ``--jobs N`` batches
+  per measurement, whichever comes first). Three drivers: ``threads`` (a thread per producer
+  blocked on its ticket), ``trio`` (a Trio task per producer; the writer is ``CommitQueue`` +
+  ``trio.to_thread``) and ``node`` (the node's pattern: producers are callbacks in a Trio loop,
+  acknowledged by the ``GroupCommitter``'s one hand-off per group). The anchor is the loop a team writes first: ``os.write`` + ``os.fdatasync`` of the same
   record bytes, one record per sync, in a file in the same directory, measured just before each
   figure (the disk is shared, so its speed drifts; an anchor measured next to each figure keeps
   the ratio honest).
@@ -26,12 +29,14 @@ from __future__ import annotations
 import argparse
 import gc
 import inspect
+import itertools
 import os
 import shutil
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from bench.common import Metric, SuiteResult
@@ -39,7 +44,7 @@ from engine import records as rec
 from engine.effects import Persist
 from engine.snapshot import Snapshot
 from wal import codec
-from wal.commit import CommitQueue, GroupCommitter
+from wal.commit import CommitQueue, GroupCommitter, Ticket
 from wal.store import PreparedBatch, ShardStore
 
 DEFAULT_PENDING = (2_000_000, 10_000_000)
@@ -74,6 +79,20 @@ def _run_record(key: int, at: int) -> rec.Record:
         "why": None,
         "e": 1,
     }
+
+
+_measurements = itertools.count(1)
+
+
+def _batch_id(m: int, p: int, n: int) -> int:
+    """Batch ``n`` of producer ``p`` in measurement ``m``: unique in the run."""
+    return (m << 48) | (p << 32) | n
+
+
+def _producer_run(m: int, p: int, n: int) -> rec.Record:
+    """Producer ``p``'s ``n``-th record in measurement ``m``: a new run of job ``p`` (one job
+    per producer), later than every run an earlier measurement made, as a fire makes it."""
+    return _run_record(p, T0 + (m << 32) + n)
 
 
 def _dir_bytes(path: str) -> int:
@@ -115,6 +134,7 @@ def durable_rate(
 ) -> tuple[float, float]:
     """(acknowledged records per second, batches per fsync) with ``producers`` threads each
     submitting one-record batches and waiting for each acknowledgement."""
+    m = next(_measurements)
     counts = [0] * producers
     start_line = threading.Barrier(producers + 1)
     per_thread_cap = None if cap is None else max(1, cap // producers)
@@ -122,12 +142,11 @@ def durable_rate(
 
     def produce(p: int) -> None:
         submit = committer.submit
-        base = (p + 1) << 40  # each producer its own job key, runs at increasing times
         n = 0
         start_line.wait()
         end = deadline[0]
         while time.perf_counter() < end and (per_thread_cap is None or n < per_thread_cap):
-            submit(Persist(base + n, epoch, (_run_record(p, T0 + (base + n)),))).wait()
+            submit(Persist(_batch_id(m, p, n), epoch, (_producer_run(m, p, n),))).wait()
             n += 1
         counts[p] = n
 
@@ -155,6 +174,7 @@ def trio_durable_rate(
     costs no thread switch."""
     import trio
 
+    m = next(_measurements)
     queue: CommitQueue[tuple[PreparedBatch, trio.Event]] = CommitQueue()
     counts = [0] * producers
     stats = {"groups": 0, "batches": 0}
@@ -174,10 +194,9 @@ def trio_durable_rate(
                 done.set()
 
     async def produce(p: int, end: float) -> None:
-        base = (p + 1) << 40
         n = 0
         while trio.current_time() < end and (per_task_cap is None or n < per_task_cap):
-            prepared = store.prepare(Persist(base + n, epoch, (_run_record(p, T0 + base + n),)))
+            prepared = store.prepare(Persist(_batch_id(m, p, n), epoch, (_producer_run(m, p, n),)))
             done = trio.Event()
             queue.push((prepared, done), prepared.size)
             wake[0].set()
@@ -198,6 +217,72 @@ def trio_durable_rate(
 
     elapsed = trio.run(main)
     return sum(counts) / elapsed, stats["batches"] / max(stats["groups"], 1)
+
+
+def node_durable_rate(
+    store: ShardStore, producers: int, seconds: float, cap: int | None, epoch: int
+) -> tuple[float, float]:
+    """:func:`durable_rate` in the node's pattern: the producers live in a Trio loop as state
+    machines, not tasks (as the node's shard loop, which submits the engine's batches and is
+    told ``Durable``), submit through a :class:`~wal.commit.GroupCommitter`, and are handed
+    their acknowledgements by one ``run_sync_soon`` per group (``on_group``). Each producer
+    still submits a one-record batch and submits its next only once that one is durable."""
+    import trio
+
+    m = next(_measurements)
+    counts = [0] * producers
+    per_cap = None if cap is None else max(1, cap // producers)
+    out = {"elapsed": 0.0, "groups": 0, "batches": 0}
+
+    async def main() -> None:
+        token = trio.lowlevel.current_trio_token()
+        finished = trio.Event()
+        live = [producers]
+        end = [0.0]
+        errors: list[BaseException] = []
+
+        def on_group(tickets: Sequence[Ticket]) -> None:  # on the writer thread
+            try:
+                token.run_sync_soon(committed, tickets)
+            except trio.RunFinishedError:
+                pass
+
+        committer = GroupCommitter(store, on_group=on_group)
+        submit = committer.submit
+
+        def produce(p: int) -> None:
+            n = counts[p]
+            submit(Persist(_batch_id(m, p, n), epoch, (_producer_run(m, p, n),)))
+
+        def committed(tickets: Sequence[Ticket]) -> None:  # in the loop, once per group
+            now = time.perf_counter()
+            for ticket in tickets:
+                if ticket.error is not None:
+                    errors.append(ticket.error)
+                p = (ticket.batch_id >> 32) & 0xFFFF
+                n = counts[p] = counts[p] + 1
+                if now < end[0] and (per_cap is None or n < per_cap) and not errors:
+                    produce(p)
+                else:
+                    live[0] -= 1
+            if not live[0]:
+                finished.set()
+
+        groups0, batches0 = committer.groups, committer.batches
+        start = time.perf_counter()
+        end[0] = start + seconds
+        for p in range(producers):
+            produce(p)
+        await finished.wait()
+        out["elapsed"] = time.perf_counter() - start
+        out["groups"] = committer.groups - groups0
+        out["batches"] = committer.batches - batches0
+        await trio.to_thread.run_sync(committer.close)
+        if errors:
+            raise errors[0]
+
+    trio.run(main)
+    return sum(counts) / out["elapsed"], out["batches"] / max(out["groups"], 1)
 
 
 def measure_durable(result: SuiteResult, args: argparse.Namespace, root: str) -> None:
@@ -225,8 +310,9 @@ def measure_durable(result: SuiteResult, args: argparse.Namespace, root: str) ->
                     anchor,
                 )
             )
-            if producers > 1:
-                rate, per_fsync = trio_durable_rate(store, producers, DURABLE_SECONDS, args.jobs, 1)
+            drivers = (("trio", trio_durable_rate), ("node", node_durable_rate))
+            for driver, measure in drivers if producers > 1 else drivers[1:]:
+                rate, per_fsync = measure(store, producers, DURABLE_SECONDS, args.jobs, 1)
                 result.add(
                     Metric(
                         "durable_records_per_s",
@@ -234,7 +320,7 @@ def measure_durable(result: SuiteResult, args: argparse.Namespace, root: str) ->
                         "records/s",
                         {
                             "producers": producers,
-                            "driver": "trio",
+                            "driver": driver,
                             "record": "run",
                             "batches_per_fsync": round(per_fsync, 1),
                         },
