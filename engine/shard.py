@@ -304,6 +304,7 @@ class ShardEngine:
         # what backpressure bounds.
         self._pending: dict[str, int] = {}
         self._fire: dict[str, TimingWheel] = {}  # per tier: job key -> next fire (engine time)
+        self._fire_order: list[str] = []  # sorted(self._fire): tiers fire in a fixed order
         self._retry = TimingWheel(max(wall_ms, 0))  # run slot -> retry ready time (engine time)
         self._run_timers = TimingWheel(max(mono_ms, 0))  # run slot -> timeout / grace (mono)
         self._run_timer_kind: dict[int, str] = {}
@@ -502,18 +503,32 @@ class ShardEngine:
         self._wall, self._mono = max(self._wall, min(wall_ms, limit)), mono_ms
 
     def _run_due(self) -> None:
-        """Everything that time makes happen, in a fixed order (determinism)."""
-        for _due, slot in self._worker_timers.advance(self._mono):
-            self._lease_lapsed(slot)
-        for _due, slot in self._run_timers.advance(self._mono):
-            self._run_timer_fired(slot)
-        for _due, slot in self._retry.advance(self._wall):
-            ref = self._slot_run.get(slot)
-            run = self._runs.get(ref) if ref is not None else None
-            if run is not None and run.state is RunState.PENDING:
-                # ``due`` stays as recorded: a ready time in the past means ready.
-                self._enqueue(run)
-        for tier in sorted(self._fire):
+        """Everything that time makes happen, in a fixed order (determinism).
+
+        Every call of the engine starts here, so the common case (nothing due) must cost a
+        few cached ``next_due`` reads: a wheel is advanced only when something in it is due.
+        """
+        mono, wall = self._mono, self._wall
+        timers = self._worker_timers
+        nd = timers.next_due()
+        if nd is not None and nd <= mono:
+            for _due, slot in timers.advance(mono):
+                self._lease_lapsed(slot)
+        timers = self._run_timers
+        nd = timers.next_due()
+        if nd is not None and nd <= mono:
+            for _due, slot in timers.advance(mono):
+                self._run_timer_fired(slot)
+        timers = self._retry
+        nd = timers.next_due()
+        if nd is not None and nd <= wall:
+            for _due, slot in timers.advance(wall):
+                ref = self._slot_run.get(slot)
+                run = self._runs.get(ref) if ref is not None else None
+                if run is not None and run.state is RunState.PENDING:
+                    # ``due`` stays as recorded: a ready time in the past means ready.
+                    self._enqueue(run)
+        for tier in self._fire_order:
             self._fire_tier(tier)
         self._dispatch_all()
 
@@ -547,6 +562,7 @@ class ShardEngine:
         wheel = self._fire.get(tier)
         if wheel is None:
             wheel = self._fire[tier] = TimingWheel(max(self._wall, 0))
+            self._fire_order = sorted(self._fire)
         return wheel
 
     def _tier_open(self, tier: str) -> bool:
@@ -1501,6 +1517,8 @@ class ShardEngine:
             self._enqueue(run)
 
     def _dispatch_all(self) -> None:
+        if not any(self._ready.values()):
+            return  # the common case: nothing waits for a worker
         for worker_id in sorted(self._workers):
             worker = self._workers[worker_id]
             while worker.credits > 0:
@@ -1778,6 +1796,7 @@ class ShardEngine:
                     wheel = self._fire.get(tier)
                     if wheel is None:
                         wheel = self._fire[tier] = TimingWheel(max(self._wall, 0), capacity=n)
+                        self._fire_order = sorted(self._fire)
                     wheel.schedule_many(keys.astype(np.uint32), nxt[keys])
         self._held_next = {int(k): v for k, v in meta["held_next"]}
         for r in meta["runs"]:

@@ -52,6 +52,9 @@ _SMALL_BUCKET = 48
 # schedule() stages keys and places them in one vectorised pass at the next advance/next_due, or
 # when this many are waiting (which bounds the staging list's memory).
 _STAGE_LIMIT = 1 << 16
+
+#: ``TimingWheel._hint`` when the next due must be computed again.
+_NO_HINT: object = object()
 # Stale entries tolerated on top of twice the live count before a compaction.
 _COMPACT_SLACK = 1 << 16
 
@@ -78,6 +81,7 @@ class TimingWheel:
         "_buckets",
         "_cur_tick",
         "_due",
+        "_hint",
         "_len",
         "_levels",
         "_mask",
@@ -132,6 +136,10 @@ class TimingWheel:
         self._due = array("q", [NOT_PENDING]) * max(1, capacity)
         self._len = 0
         self._stale = 0  # bucket entries whose key was cancelled, fired or re-scheduled
+        # The last next_due() answer while it is still a valid one (_NO_HINT: recompute).
+        # Drivers ask after every event and most events do not matter to it: schedule()
+        # lowers it, and only moving or removing the earliest key drops it.
+        self._hint: int | object | None = _NO_HINT
 
     # ------------------------------------------------------------------ queries
 
@@ -167,10 +175,20 @@ class TimingWheel:
     def next_due(self) -> int | None:
         """A time at or before the earliest pending due, or None when nothing is pending.
 
-        It is the earliest due itself when that due waits in the near list or in a level-0 slot
-        (tick 1 ms), else the start of the earliest non-empty slot: a driver may sleep until then
-        and call :meth:`advance`, which fires what is due and returns an updated answer here.
+        It is the earliest due itself when that due waits in the near list or in a slot of at
+        most a few dozen entries (``_SMALL_BUCKET``); else the start of the
+        earliest non-empty slot: a driver may sleep until then and call :meth:`advance`, which
+        fires what is due and returns an updated answer here. O(1) when nothing changed since
+        the last call (the answer is kept), else O(levels + a small bucket).
         """
+        hint = self._hint
+        if hint is not _NO_HINT:
+            return hint  # type: ignore[return-value]
+        answer = self._compute_next_due()
+        self._hint = answer
+        return answer
+
+    def _compute_next_due(self) -> int | None:
         if self._len == 0:
             return None
         if self._staged:
@@ -179,11 +197,29 @@ class TimingWheel:
             best = self._near_min()
             if best is not None:
                 return best
-        occupied = self._occupied
-        if not occupied:  # pragma: no cover - _len > 0 implies a live entry somewhere
-            raise AssertionError("pending entries but no occupied slot")
-        index = (occupied & -occupied).bit_length() - 1
-        return self._slot_start_tick(index) * self._tick
+        dues = self._due
+        while True:
+            occupied = self._occupied
+            if not occupied:  # pragma: no cover - _len > 0 implies a live entry somewhere
+                raise AssertionError("pending entries but no occupied slot")
+            index = (occupied & -occupied).bit_length() - 1
+            start_tick = self._slot_start_tick(index)
+            start = start_tick * self._tick
+            bucket = self._buckets[index]
+            if len(bucket) > _SMALL_BUCKET:
+                return start
+            # Slots are disjoint ranges in index order, so the earliest live entry of the
+            # earliest slot is the earliest due: exact, which saves a driver the wake-ups at
+            # each level's slot start on the way down.
+            span = 1 << self._shifts[index >> self._bits]
+            end = min((start_tick + span) * self._tick, NOT_PENDING)
+            live = [d for d in map(dues.__getitem__, bucket) if start <= d < end]
+            if live:
+                return min(live)
+            # Only stale entries (keys fired, cancelled or moved since): drop the slot.
+            self._stale -= len(bucket)
+            self._buckets[index] = array("I")
+            self._occupied = occupied & ~(1 << index)
 
     def nbytes(self) -> int:
         """Bytes held by the wheel's columns and buckets (allocated, not just used)."""
@@ -211,6 +247,12 @@ class TimingWheel:
             return
         # Placement is deferred to the next advance/next_due, which places every staged key in
         # one vectorised pass: cheaper than computing a slot per call in Python.
+        hint = self._hint
+        if hint is not _NO_HINT:
+            if hint is None or due_ms < hint:  # type: ignore[operator]
+                self._hint = due_ms
+            elif old == hint:  # the earliest key moved later: ask again
+                self._hint = _NO_HINT
         staged = self._staged
         staged.append(key)
         if len(staged) >= _STAGE_LIMIT:
@@ -236,9 +278,11 @@ class TimingWheel:
     def cancel(self, key: int) -> bool:
         """Stop ``key`` from firing; True when it was pending. O(1) amortised."""
         dues = self._due
-        if 0 <= key < len(dues) and dues[key] != NOT_PENDING:
+        if 0 <= key < len(dues) and (old := dues[key]) != NOT_PENDING:
             dues[key] = NOT_PENDING
             self._len -= 1
+            if old == self._hint:  # the earliest key left: ask again
+                self._hint = _NO_HINT
             self._stale += 1
             if self._stale > self._len + _COMPACT_SLACK:
                 self._compact()
@@ -285,6 +329,7 @@ class TimingWheel:
             due_view[key64] = due64
         finally:
             del due_view
+        self._hint = _NO_HINT
         self._len += added
         self._stale += int(key64.size) - added
         self._place_many(key64.astype(np.uint32), due64)
@@ -312,6 +357,7 @@ class TimingWheel:
         if limit is not None and limit < 0:
             raise EngineUsageError(f"limit must be >= 0, got {limit!r}", field="limit")
         tick = self._tick
+        self._hint = _NO_HINT
         if self._staged:
             self._place_staged()
         if not self._near:

@@ -150,6 +150,9 @@ class WheelMachine(RuleBasedStateMachine):
         if self.model.due:
             assert nd is not None
             assert nd <= min(self.model.due.values())
+            if self.wheel._len + self.wheel._stale <= 48:  # every slot is small: exact
+                assert nd == min(self.model.due.values())
+            assert self.wheel.next_due() == nd  # asking again changes nothing
         else:
             assert nd is None
         self.wheel._check()
