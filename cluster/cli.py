@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
             "--jobs", type=_positive_int, metavar="N", help="number of jobs (suites that use it)"
         )
 
-    from cluster import commands
+    from cluster import options
 
     serve = sub.add_parser("serve", help="run a node on a data directory (embedded default)")
     serve.add_argument("--data", required=True, metavar="DIR", help="the data directory")
@@ -87,40 +87,40 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--runtime", choices=["docker", "podman"], help="container runtime")
 
     submit = sub.add_parser("submit", help="submit a job (or --file: many)")
-    commands.add_connect(submit)
+    options.add_connect(submit)
     submit.add_argument("--id", help="job id (default: a generated, time-sortable one)")
     submit.add_argument("--file", metavar="FILE", help="JSON-lines job specs, in batches")
-    commands.add_spec_options(submit, update=False)
+    options.add_spec_options(submit, update=False)
 
     job = sub.add_parser("job", help="get, update, cancel, pause, resume or preview a job")
     job_sub = job.add_subparsers(dest="action", required=True, metavar="ACTION")
     for action in ("get", "update", "cancel", "pause", "resume", "preview"):
         p = job_sub.add_parser(action)
         p.add_argument("id", metavar="ID")
-        commands.add_connect(p)
+        options.add_connect(p)
         if action == "update":
-            commands.add_spec_options(p, update=True)
+            options.add_spec_options(p, update=True)
         if action == "cancel":
             p.add_argument("--stop-running", action="store_true", help="also stop its runs")
         if action == "preview":
             p.add_argument("--count", type=_positive_int, default=5)
 
     jobs = sub.add_parser("jobs", help="list jobs")
-    commands.add_connect(jobs)
+    options.add_connect(jobs)
 
     runs = sub.add_parser("runs", help="run history of jobs")
     runs.add_argument("job_ids", nargs="+", metavar="JOB_ID")
     runs.add_argument("--last", type=_positive_int, default=20)
-    commands.add_connect(runs)
+    options.add_connect(runs)
 
     run = sub.add_parser("run", help="one run's status")
     run.add_argument("run_id", metavar="RUN_ID")
-    commands.add_connect(run)
+    options.add_connect(run)
 
     logs = sub.add_parser("logs", help="a run's output")
     logs.add_argument("run_id", metavar="RUN_ID")
     logs.add_argument("--follow", "-f", action="store_true", help="until the run ends")
-    commands.add_connect(logs)
+    options.add_connect(logs)
 
     # The simulation owns its options; sim.cli imports SimPy and the engine only inside run().
     sim = sub.add_parser("sim", help="run seeds of the fault-injection simulation")

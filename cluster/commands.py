@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import shlex
 import sys
 from collections.abc import Awaitable, Callable
@@ -29,38 +28,6 @@ err_console = Console(stderr=True, highlight=False)
 
 
 # =============================================================================== arguments
-
-
-def add_connect(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--connect",
-        default=os.environ.get("TICKWHEEL_CONNECT", "127.0.0.1:7070"),
-        metavar="HOST:PORT",
-        help="the node to talk to (default $TICKWHEEL_CONNECT or 127.0.0.1:7070)",
-    )
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-
-
-def add_spec_options(p: argparse.ArgumentParser, *, update: bool) -> None:
-    when = p.add_mutually_exclusive_group(required=False)
-    when.add_argument("--cron", metavar="EXPR", help="a cron expression (5 or 6 fields)")
-    when.add_argument("--at", metavar="ISO", help="once, at this instant (ISO 8601 with zone)")
-    when.add_argument("--every", metavar="DUR", help="every DUR (e.g. 30s, 5m, 1h)")
-    when.add_argument("--in", dest="in_", metavar="DUR", help="once, DUR from now")
-    p.add_argument("--tz", metavar="ZONE", help="the cron expression's time zone (IANA)")
-    what = p.add_mutually_exclusive_group(required=False)
-    what.add_argument(
-        "--command",
-        dest="command_line",
-        metavar="CMD",
-        help="run CMD (split like a shell, then run without one)",
-    )
-    what.add_argument("--shell", metavar="LINE", help="run LINE through /bin/sh")
-    what.add_argument("--payload", metavar="JSON", help="hand JSON to a user worker")
-    p.add_argument("--timeout", metavar="DUR")
-    p.add_argument("--on-timeout", metavar="kill|mark|retry:N|trigger:JOB")
-    p.add_argument("--delivery", choices=["at-least-once", "at-most-once"])
-    p.add_argument("--tier", metavar="NAME")
 
 
 def spec_from_args(args: argparse.Namespace, *, update: bool) -> dict[str, Any]:

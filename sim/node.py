@@ -85,6 +85,7 @@ class _Hosted:
     outbox: dict[int, Trigger | Register] = field(default_factory=dict)
     lease_next: int | None = None  # when the lease, and the engine, want a tick (mono)
     engine_next: int | None = None
+    lease_dirty: bool = True  # the lease was called since lease_next was read
     since_snapshot: int = 0  # durable acknowledgements since the last snapshot
     snapshot: Snapshot | None = None  # exported, waiting for its batch to be durable
 
@@ -254,6 +255,7 @@ class SimNode:
         self.receive(None, self.on_lease_response, view)
 
     def _lease_effects(self, hs: _Hosted, effects: list[LeaseEffect]) -> None:
+        hs.lease_dirty = True  # every call into the lease comes through here
         for effect in effects:
             if isinstance(effect, StartActing):
                 self._open(hs, effect.epoch)
@@ -338,12 +340,20 @@ class SimNode:
         self._lease_effects(hs, hs.lease.tick(mono))
         return None
 
-    def _call(self, hs: _Hosted, command: Command | None) -> list[Effect] | None:
+    def _call(
+        self, hs: _Hosted, command: Command | tuple[Command, ...] | None
+    ) -> list[Effect] | None:
+        """Time, one command, or several as one batch, if the lease lets this node act."""
         engine = self._acting(hs)
         if engine is None:
             return None
         wall, mono = self._wall(), self._mono()
-        effects = engine.tick(wall, mono) if command is None else engine.handle(command, wall, mono)
+        if command is None:
+            effects = engine.tick(wall, mono)
+        elif type(command) is tuple:
+            effects = engine.handle_many(command, wall, mono)
+        else:
+            effects = engine.handle(command, wall, mono)  # type: ignore[arg-type]
         if effects:
             self._perform(hs, effects)
         return effects
@@ -393,28 +403,23 @@ class SimNode:
         hello or heartbeat was taken, 0 otherwise; the final reports taken), or "not owner"."""
         self._worker_inc[worker.name] = worker_incarnation
         answers: list[tuple[int, int, int, tuple[tuple[str, int], ...]]] = []
+        moved = False
         for shard, commands, seq in parts:
             hs = self.hosted.get(shard)
             if self._acting(hs) is None or hs is None:
                 answers.append((shard, -1, 0, ()))
                 continue
-            refused = changed = False
-            reported: list[tuple[str, int]] = []
-            for command in commands:
-                effects = self._call(hs, command)
-                if effects is None:
-                    break
-                changed = changed or bool(effects)
-                if any(type(e) is Refused and e.worker_id == worker.name for e in effects):
-                    refused = True
-                if type(command) is ReportFinished:
-                    reported.append((command.run_id, command.token))
-            else:
+            # One engine call and one batch for the part, as the real node groups what
+            # arrives together (``handle_many``).
+            effects = self._call(hs, commands)
+            if effects is not None:
+                refused = any(type(e) is Refused and e.worker_id == worker.name for e in effects)
                 greeted = any(type(c) in (WorkerHello, Heartbeat) for c in commands)
                 taken = seq if greeted and not refused else 0
+                reported = tuple((c.run_id, c.token) for c in commands if type(c) is ReportFinished)
                 if taken or reported:
-                    answers.append((shard, hs.epoch, taken, tuple(reported)))
-            self._refresh(hs, engine=changed)
+                    answers.append((shard, hs.epoch, taken, reported))
+            moved |= self._refresh(hs, engine=bool(effects))
         if answers:
             self.w.net.send(
                 self.name,
@@ -425,7 +430,8 @@ class SimNode:
                 tuple(answers),
                 on_reset=self._reset_of(worker, worker_incarnation),
             )
-        self._schedule_wake()
+        if moved or self._wake_at is None:
+            self._schedule_wake()
 
     # ---------------------------------------------------------------- other nodes
 
@@ -592,18 +598,29 @@ class SimNode:
 
     # ================================================================ timers
 
-    def _refresh(self, hs: _Hosted, *, engine: bool = True) -> None:
-        """Cache when the lease and the engine next want a tick (asking the engine costs
-        ~10 us). ``engine=False`` after an event the engine did not see, or a command that
-        had no effect: anything that arms an earlier timer (a new run, a claim, a retry, a
-        fire time) persists a record, so the cached time can only be early, never late."""
-        hs.lease_next = hs.lease.next_wakeup_mono()
+    def _refresh(self, hs: _Hosted, *, engine: bool = True) -> bool:
+        """Cache when the lease and the engine next want a tick; True when either moved
+        earlier (a wakeup may have to move). ``engine=False`` after an event the engine did
+        not see, or a command that had no effect: anything that arms an earlier timer (a new
+        run, a claim, a retry, a fire time) persists a record, so the cached time can only be
+        early, never late. The lease is asked only after something called it."""
+        earlier = False
+        if hs.lease_dirty:
+            hs.lease_dirty = False
+            old, hs.lease_next = hs.lease_next, hs.lease.next_wakeup_mono()
+            earlier = hs.lease_next is not None and (old is None or hs.lease_next < old)
         if engine or hs.engine is None:
+            old = hs.engine_next
             hs.engine_next = hs.engine.next_wakeup_mono() if hs.engine is not None else None
+            if hs.engine_next is not None and (old is None or hs.engine_next < old):
+                earlier = True
+        return earlier
 
     def _touch(self, hs: _Hosted, *, engine: bool = True) -> None:
-        self._refresh(hs, engine=engine)
-        self._schedule_wake()
+        # A wakeup already set stays right unless a time moved earlier: one too early only
+        # finds nothing due and sets the next.
+        if self._refresh(hs, engine=engine) or self._wake_at is None:
+            self._schedule_wake()
 
     def _schedule_wake(self) -> None:
         if not self.alive or self.frozen:
