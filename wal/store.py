@@ -104,6 +104,8 @@ COLUMN_FAMILIES: Final = (
 #: values ~190 MB/s, 4 MiB values ~850 MB/s (each get allocates a fresh buffer for its value,
 #: and a huge one is fresh pages every time, faulted in one by one).
 SNAPSHOT_CHUNK_BYTES: Final = 4 * 1024 * 1024
+#: Memtable size of every family (see _cf_options).
+MEMTABLE_BYTES: Final = 4 * 1024 * 1024
 #: Log entries read per iterator while replaying the tail (an iterator pins the database, so
 #: none is kept open between pages).
 _TAIL_PAGE: Final = 4096
@@ -1245,6 +1247,12 @@ def _snapshot_options() -> Options:
 
 def _cf_options() -> dict[str, Options]:
     out = {name: Options(raw_mode=True) for name in COLUMN_FAMILIES}
+    for options in out.values():
+        # Memtables of 4 MiB, not 64: every record lands at a random place in the runs,
+        # time-index and run-count skip lists, and inserting into a small one (in cache) costs
+        # a group's write ~20% less CPU (measured: 10.7 -> 8.5 us a record at 256 a group),
+        # held with the GIL; flushing the same bytes in more, smaller files costs no more.
+        options.set_write_buffer_size(MEMTABLE_BYTES)
     # Families read by point lookups (the directory, and every write's look at what a key
     # held before) get bloom filters: a new run's lookup is a miss, and a miss should not
     # search every file.
