@@ -172,7 +172,13 @@ class GroupCommitter:
         self.store = store
         self._on_group = on_group
         self._queue: CommitQueue[tuple[PreparedBatch, Ticket]] = CommitQueue(policy)
-        self._cond = threading.Condition(threading.Lock())
+        # Raw locks, not a Condition (whose Python-level enter/exit cost ~0.8 us a submit):
+        # _mutex guards the queue and _closing; _signal is released exactly when _signalled is
+        # True, meaning "the writer may have something to do".
+        self._mutex = _thread.allocate_lock()
+        self._signal = _thread.allocate_lock()
+        self._signal.acquire()
+        self._signalled = False
         self._closing = False
         self.groups = 0  # writes issued (one fsync each)
         self.batches = 0  # batches acknowledged durable
@@ -184,22 +190,25 @@ class GroupCommitter:
         Raises the store's usage errors and :class:`~wal.errors.StaleEpoch` at once."""
         prepared = self.store.prepare(batch)
         ticket = Ticket(batch.batch_id, callback)
-        with self._cond:
+        with self._mutex:
             if self._closing:
                 raise StoreClosed(
                     f"the group committer is closed; batch {batch.batch_id} not queued",
                     path=self.store.path,
                 )
             self._queue.push((prepared, ticket), prepared.size)
-            if len(self._queue) == 1:
-                self._cond.notify()
+            if not self._signalled:
+                self._signalled = True
+                self._signal.release()
         return ticket
 
     def close(self, timeout: float | None = None) -> None:
         """Stop taking batches, write everything already queued, stop the writer. Idempotent."""
-        with self._cond:
+        with self._mutex:
             self._closing = True
-            self._cond.notify()
+            if not self._signalled:
+                self._signalled = True
+                self._signal.release()
         self._thread.join(timeout)
 
     def __enter__(self) -> GroupCommitter:
@@ -209,14 +218,19 @@ class GroupCommitter:
         self.close()
 
     def _run(self) -> None:
-        cond, queue = self._cond, self._queue
+        mutex, queue = self._mutex, self._queue
         while True:
-            with cond:
-                while not queue and not self._closing:
-                    cond.wait()
-                if not queue:
-                    return  # closing, and everything queued was written
+            self._signal.acquire()  # until something is queued, or closing
+            with mutex:
+                self._signalled = False
                 group = queue.take()
+                if queue or self._closing:  # come back at once: more queued, or to finish
+                    self._signalled = True
+                    self._signal.release()
+                if not group:
+                    if self._closing:
+                        return  # everything queued was written
+                    continue
             error: StoreError | None = None
             seqs: list[int] = []
             try:
