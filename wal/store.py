@@ -137,6 +137,7 @@ _RUN_DELTAS: Final = tuple(
 )
 _RUN_CLASS: Final = {"PENDING": _RUN_PENDING, **{s: _RUN_IN_FLIGHT for s in IN_FLIGHT_VALUES}}
 _I64_PAIR: Final = struct.Struct(">QQ")
+_U64_PACK: Final = struct.Struct(">Q").pack
 _FIXARRAY: Final = tuple(bytes((0x90 | n,)) for n in range(16))
 _I64_OFFSET: Final = 1 << 63
 #: Entries each of the store's write caches (position classes, run classes, per-job run count
@@ -281,7 +282,7 @@ class ShardStore:
         # positions and runs by key, and per job (runs stored, newest run time ever stored).
         self._pos_cls: dict[bytes, int] = {}
         self._run_cls: dict[bytes, int] = {}
-        self._job_runs: dict[int, tuple[int, int]] = {}
+        self._job_runs: dict[int, list[int]] = {}
         # A msgpack Packer keeps a buffer between calls: one per thread (prepare() runs in every
         # producer's thread).
         self._packers = threading.local()
@@ -528,12 +529,9 @@ class ShardStore:
             # them on recovery; no query reads them.
         # The log value is msgpack [batch id, epoch, [records]], assembled from the records'
         # bytes already encoded above instead of encoding every record twice.
-        head = b"\x93" + pack(batch.batch_id) + pack(batch.epoch)
         n = len(encoded)
-        if n < 16:  # a fixarray header: one byte
-            log_value = b"".join((head, _FIXARRAY[n], *encoded))
-        else:
-            log_value = b"".join((head, packer.pack_array_header(n), *encoded))
+        header = _FIXARRAY[n] if n < 16 else packer.pack_array_header(n)
+        log_value = b"".join((b"\x93", pack(batch.batch_id), pack(batch.epoch), header, *encoded))
         # The size bounds a group's memory (CommitPolicy.max_bytes): the routed copies are
         # about as large as the log value again.
         return PreparedBatch(
@@ -569,7 +567,7 @@ class ShardStore:
             put = wb.put
             h = self._h
             log_h = h[_LOG]
-            u64 = codec.u64
+            u64 = _U64_PACK
             first = self._last_seq + 1
             seq = first
             for p in prepared:
@@ -579,47 +577,49 @@ class ShardStore:
                     put(k, v, h[cf])
             seq -= 1
             counts = self._counts.copy()
-            learned = self._account(wb, prepared, counts)
-            if counts != self._counts:
-                put(b"counts", codec.pack(counts), h[_META])
-            self._commit(wb, f"writing batches {prepared[0].batch_id}..{prepared[-1].batch_id}")
+            try:
+                added = self._account(wb, prepared, counts)
+                if counts != self._counts:
+                    put(b"counts", codec.pack(counts), h[_META])
+                self._commit(wb, f"writing batches {prepared[0].batch_id}..{prepared[-1].batch_id}")
+            except BaseException:
+                # The caches already hold what this group would have left; it was not written.
+                self._forget()
+                raise
             self._last_seq = seq
             self._counts = counts
-            self._learn(*learned)
+            if added:
+                self._touched.update(added)
             return list(range(first, seq + 1))
 
     def _account(
         self, wb: WriteBatch, prepared: Sequence[PreparedBatch], counts: list[int]
-    ) -> tuple[dict[bytes, int], dict[bytes, int], dict[int, list[int]], set[int]]:
+    ) -> set[int]:
         """Update ``counts`` for what the group changes, adding per-job run counts and the
-        time index of new runs to ``wb``. Returns what the group leaves in the keys it touched
-        (position classes, run classes, per job [runs stored, newest run time]) and the jobs
-        given new runs, for :meth:`_learn` once the write is durable.
+        time index of new runs to ``wb``; the jobs given new runs.
 
         What a key held before comes from the write caches, else — a run scheduled after the
         newest its job ever stored was never held — from one multi-get per family for the keys
-        left; keys written twice in the group see their earlier value. O(records)."""
-        pos_now: dict[bytes, int] = {}
-        run_now: dict[bytes, int] = {}
-        jobs: dict[int, list[int]] = {}
+        left. The caches are updated as the group goes (a key written twice in the group sees
+        its earlier value there); :meth:`write_prepared` forgets them all if the group is not
+        written. O(records)."""
+        if len(self._pos_cls) > CACHE_ENTRIES:
+            self._pos_cls = {}
+        if len(self._run_cls) > CACHE_ENTRIES:
+            self._run_cls = {}
+        if len(self._job_runs) > CACHE_ENTRIES:
+            self._job_runs = {}
         for p in prepared:
             if p.pos:
-                self._account_pos(p.pos, pos_now, counts)
+                self._account_pos(p.pos, counts)
         runs = [e for p in prepared if p.runs for e in p.runs]
         added: set[int] = set()
         if not runs:
-            return pos_now, run_now, jobs, added
-        job_cache = self._job_runs
-        missing: list[int] = []
-        for _rk, _cls, job, _at in runs:
-            if job not in jobs:
-                known = job_cache.get(job)
-                if known is None:
-                    missing.append(job)
-                    jobs[job] = [0, _UNKNOWN_AT]
-                else:
-                    jobs[job] = [known[0], known[1]]
+            return added
+        jobs = self._job_runs
+        missing = [job for _rk, _cls, job, _at in runs if job not in jobs]
         if missing:
+            missing = list(dict.fromkeys(missing))
             stored = self._multiget(self._cf[_NRUNS], [codec.i64(j) for j in missing])
             for job, raw in zip(missing, stored, strict=True):
                 # nruns is written with a job's first run, in the same atomic write: no value,
@@ -630,38 +630,36 @@ class ShardStore:
                     jobs[job] = [codec.read_u64(raw), codec.read_i64(raw, 8)]
                 else:
                     jobs[job] = [codec.read_u64(raw), _UNKNOWN_AT]
-        run_cache = self._run_cls
+        run_cls = self._run_cls
         put = wb.put
         bytime = self._h[_BYTIME]
-        unread: list[tuple[bytes, int, int]] = []
+        unread: list[tuple[bytes, int, list[int], int]] = []
         for rk, cls, job, at in runs:
-            old = run_now.get(rk)
-            if old is None:
-                state = jobs[job]
-                if at > state[1]:  # after every run the job ever stored: never held
-                    old = -1
-                    state[1] = at
-                else:
-                    old = run_cache.get(rk)
-                    if old is None:  # read below; a later write of the key sees cls
-                        unread.append((rk, cls, job))
-                        run_now[rk] = cls
-                        continue
-            if old == -1:  # a run this store has never held: index and count it
-                jobs[job][0] += 1
+            state = jobs[job]
+            if at > state[1]:  # after every run the job ever stored: never held
+                state[1] = at
+                state[0] += 1
                 added.add(job)
                 put(rk[8:16] + rk[:8], _EMPTY, bytime)
-            if old != cls:
-                delta = _RUN_DELTAS[old + 1][cls]
-                counts[3] += delta[0]
-                counts[4] += delta[1]
-            run_now[rk] = cls
+                if cls:  # (other = 0 counts nothing)
+                    delta = _RUN_DELTAS[0][cls]
+                    counts[3] += delta[0]
+                    counts[4] += delta[1]
+            else:
+                old = run_cls.get(rk)
+                if old is None:  # read below; a later write of the key sees cls
+                    unread.append((rk, cls, state, job))
+                elif old != cls:
+                    delta = _RUN_DELTAS[old + 1][cls]
+                    counts[3] += delta[0]
+                    counts[4] += delta[1]
+            run_cls[rk] = cls
         if unread:
-            stored = self._multiget(self._cf[_RUNS], [rk for rk, _, _ in unread])
-            for (rk, cls, job), raw in zip(unread, stored, strict=True):
+            stored = self._multiget(self._cf[_RUNS], [rk for rk, _, _, _ in unread])
+            for (rk, cls, state, job), raw in zip(unread, stored, strict=True):
                 old = -1 if raw is None else raw[0]
-                if old == -1:
-                    jobs[job][0] += 1
+                if old == -1:  # never held (or deleted by retention): index and count it
+                    state[0] += 1
                     added.add(job)
                     put(rk[8:16] + rk[:8], _EMPTY, bytime)
                 if old != cls:
@@ -676,53 +674,29 @@ class ShardStore:
                 codec.u64(n) if newest == _UNKNOWN_AT else _I64_PAIR.pack(n, newest + _I64_OFFSET)
             )
             put(i64(job), value, nruns)
-        return pos_now, run_now, jobs, added
+        return added
 
-    def _account_pos(
-        self, entries: list[tuple[bytes, int]], pos_now: dict[bytes, int], counts: list[int]
-    ) -> None:
+    def _account_pos(self, entries: list[tuple[bytes, int]], counts: list[int]) -> None:
         cache = self._pos_cls
-        missing = [k for k, _ in entries if k not in pos_now and k not in cache]
+        missing = [k for k, _ in entries if k not in cache]
         if missing:
             stored = self._multiget(self._cf[_POS], missing)
             for k, raw in zip(missing, stored, strict=True):
-                pos_now[k] = _POS_NONE if raw is None else raw[0]  # never held: nothing
+                cache[k] = _POS_NONE if raw is None else raw[0]  # never held: nothing
         for k, cls in entries:
-            old = pos_now.get(k)
-            if old is None:
-                old = cache[k]
+            old = cache[k]
             if old != cls:
                 was, now = _POS_COUNTS[old], _POS_COUNTS[cls]
                 counts[0] += now[0] - was[0]
                 counts[1] += now[1] - was[1]
                 counts[2] += now[2] - was[2]
-            pos_now[k] = cls
+                cache[k] = cls
 
-    def _learn(
-        self,
-        pos_now: dict[bytes, int],
-        run_now: dict[bytes, int],
-        jobs: dict[int, list[int]],
-        added: set[int],
-    ) -> None:
-        """Remember what a durable group left in its keys (see :meth:`_account`); a cache
-        that grows past :data:`CACHE_ENTRIES` starts again empty."""
-        if pos_now:
-            if len(self._pos_cls) + len(pos_now) > CACHE_ENTRIES:
-                self._pos_cls = {}
-            self._pos_cls.update(pos_now)
-        if run_now:
-            if len(self._run_cls) + len(run_now) > CACHE_ENTRIES:
-                self._run_cls = {}
-            self._run_cls.update(run_now)
-        if jobs:
-            if len(self._job_runs) + len(jobs) > CACHE_ENTRIES:
-                self._job_runs = {}
-            cache = self._job_runs
-            for job, (n, newest) in jobs.items():
-                cache[job] = (n, newest)
-        if added:
-            self._touched.update(added)
+    def _forget(self) -> None:
+        """Empty the write caches (they may hold what a group that failed would have left)."""
+        self._pos_cls = {}
+        self._run_cls = {}
+        self._job_runs = {}
 
     def _multiget(self, cf: Rdict, keys: list[bytes]) -> list[bytes | None]:
         wanted: list[str | int | float | bytes | bool] = list(keys)
