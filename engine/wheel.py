@@ -53,6 +53,11 @@ _SMALL_BUCKET = 48
 # when this many are waiting (which bounds the staging list's memory).
 _STAGE_LIMIT = 1 << 16
 
+#: Every empty slot holds this one array, never written to: a wheel starts with ~2,000
+#: slots, and one array each made creating a wheel cost a millisecond. Writers swap in an
+#: array of the slot's own first (``_bucket_for``).
+_EMPTY: array[int] = array("I")
+
 #: ``TimingWheel._hint`` when the next due must be computed again.
 _NO_HINT: object = object()
 # Stale entries tolerated on top of twice the live count before a compaction.
@@ -127,7 +132,7 @@ class TimingWheel:
         self._thresholds = np.array(
             [1 << (slot_bits * level) for level in range(1, self._levels)], dtype=np.uint64
         )
-        self._buckets = [array("I") for _ in range(self._levels << slot_bits)]
+        self._buckets = [_EMPTY] * (self._levels << slot_bits)
         self._near = array("I")
         self._staged = array("I")  # keys scheduled one by one, not yet placed in a bucket
         self._occupied = 0
@@ -218,13 +223,13 @@ class TimingWheel:
                 return min(live)
             # Only stale entries (keys fired, cancelled or moved since): drop the slot.
             self._stale -= len(bucket)
-            self._buckets[index] = array("I")
+            self._buckets[index] = _EMPTY
             self._occupied = occupied & ~(1 << index)
 
     def nbytes(self) -> int:
         """Bytes held by the wheel's columns and buckets (allocated, not just used)."""
         total = sys.getsizeof(self._due) + sys.getsizeof(self._near) + sys.getsizeof(self._staged)
-        total += sum(sys.getsizeof(b) for b in self._buckets)
+        total += sum(sys.getsizeof(b) for b in self._buckets if b is not _EMPTY)
         return total + sys.getsizeof(self._buckets)
 
     # ------------------------------------------------------------------ mutation
@@ -387,7 +392,7 @@ class TimingWheel:
                 break
             end = min((start_tick + (1 << self._shifts[index >> bits])) * tick, NOT_PENDING)
             bucket = self._buckets[index]
-            self._buckets[index] = array("I")
+            self._buckets[index] = _EMPTY
             self._occupied = occupied & ~(1 << index)
             if end - 1 <= now_ms:
                 past.append((bucket, start, end))
@@ -563,6 +568,7 @@ class TimingWheel:
             bucket = self._buckets[index]
             if not bucket:
                 self._occupied |= 1 << index
+                bucket = self._buckets[index] = array("I")
             bucket.append(key)
 
     def _place_many(self, keys: UInt32Array, dues: Int64Array) -> None:
@@ -587,9 +593,8 @@ class TimingWheel:
         shifts = (levels * self._bits).astype(np.int64)
         index = (levels.astype(np.int64) << self._bits) | ((ticks >> shifts) & self._mask)
         first = int(index[0])
-        buckets = self._buckets
         if bool(np.all(index == first)):
-            buckets[first].frombytes(keys.tobytes())
+            self._bucket_for(first).frombytes(keys.tobytes())
             self._occupied |= 1 << first
             return
         order = np.argsort(index.astype(np.uint16), kind="stable")  # radix sort: O(n)
@@ -599,9 +604,16 @@ class TimingWheel:
         occupied = self._occupied
         for a, b in zip([0, *cuts], [*cuts, n], strict=True):
             i = int(sorted_index[a])
-            buckets[i].frombytes(sorted_keys[a:b].tobytes())
+            self._bucket_for(i).frombytes(sorted_keys[a:b].tobytes())
             occupied |= 1 << i
         self._occupied = occupied
+
+    def _bucket_for(self, index: int) -> array[int]:
+        """Slot ``index``'s array, to append to (its own, never the shared empty one)."""
+        bucket = self._buckets[index]
+        if bucket is _EMPTY:
+            bucket = self._buckets[index] = array("I")
+        return bucket
 
     def _compact(self) -> None:
         """Rebuild every bucket from the due column, dropping stale entries. O(capacity)."""
@@ -611,7 +623,7 @@ class TimingWheel:
             live_dues = due_view[live]
         finally:
             del due_view
-        self._buckets = [array("I") for _ in range(self._levels << self._bits)]
+        self._buckets = [_EMPTY] * (self._levels << self._bits)
         self._near = array("I")
         self._staged = array("I")
         self._occupied = 0
@@ -632,6 +644,7 @@ class TimingWheel:
         pending = np.flatnonzero(due_view != NOT_PENDING)
         assert self._len == pending.size, (self._len, pending.size)
         assert self._cur_tick == self._now // self._tick
+        assert not _EMPTY, "the shared empty slot was written to"
         entries = len(self._near) + sum(len(b) for b in self._buckets)
         assert entries == self._len + self._stale, (entries, self._len, self._stale)
         # Stale entries stay bounded by the live count (plus a constant): compaction's promise.

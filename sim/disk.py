@@ -119,22 +119,16 @@ class ShardStore:
             self._make_durable(w, now)
             acks[(id(w.node), w.incarnation)] = (w, w.persist.batch_id)
         self._syncing = []
-        for w, batch_id in acks.values():
-            self._k.later(
-                1,
-                w.node.receive,
-                w.incarnation,
-                w.node.on_durable,
-                self.shard,
-                w.persist.epoch,
-                batch_id,
-            )
         if self._pending:
             self._sync()
         elif self._waiters:
             waiters, self._waiters = self._waiters, []
             for fn in waiters:
                 fn()
+        # Acknowledged last, when the store is consistent again: a writer told now writes
+        # more at once (into the next group), and must find no half-finished step.
+        for w, batch_id in acks.values():
+            w.node.receive(w.incarnation, w.node.on_durable, self.shard, w.persist.epoch, batch_id)
 
     def _make_durable(self, w: _Write, now: int) -> None:
         self.records.extend(w.persist.records)
