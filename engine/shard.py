@@ -276,6 +276,9 @@ class ShardEngine:
         self._flags = array("B")
         self._next_key = 0
         self._profiles: list[_Profile] = []
+        # _profiles[i].to_dict() for i below its length: profiles never change, and a
+        # snapshot renders all of them (one per ``every`` job: thousands, each time).
+        self._profile_rendered: list[dict[str, Any]] = []
         self._profile_ids: dict[tuple[Any, ...], int] = {}
         self._held_next: dict[int, int | None] = {}  # next fire of a paused job
         # key -> the times of its runs not final: one int for the usual single run (a set
@@ -309,7 +312,9 @@ class ShardEngine:
         self._pending: dict[str, int] = {}
         self._fire: dict[str, TimingWheel] = {}  # per tier: job key -> next fire (engine time)
         self._fire_order: list[str] = []  # sorted(self._fire): tiers fire in a fixed order
-        self._replay_profiles: dict[tuple[Any, str], int] = {}  # see _stored_profile
+        # What a replay parsed, by content (see _stored_profile); emptied after recovery.
+        self._replay_policies: dict[str, tuple[Policy, tuple[str, ...]]] = {}
+        self._replay_schedules: dict[tuple[str, Any], Schedule] = {}
         self._retry = TimingWheel(max(wall_ms, 0))  # run slot -> retry ready time (engine time)
         self._run_timers = TimingWheel(max(mono_ms, 0))  # run slot -> timeout / grace (mono)
         self._run_timer_kind: dict[int, str] = {}
@@ -370,7 +375,8 @@ class ShardEngine:
             engine._apply(rec.check(record), recovering=True)
             if own is not None:
                 own.absorb((record,))
-        engine._replay_profiles.clear()
+        engine._replay_policies.clear()
+        engine._replay_schedules.clear()
         engine._after_recovery()
         engine._emit(rec.make("epoch", epoch=epoch))
         for _seq, out in sorted(engine._outbox.items()):
@@ -696,6 +702,13 @@ class ShardEngine:
             self._profiles.append(profile)
         return pid
 
+    def _profile_dicts(self) -> list[dict[str, Any]]:
+        """Every profile's dict form, in order: the ones rendered before plus the new ones.
+        The dicts are shared with earlier snapshots, so nobody may change them."""
+        rendered, profiles = self._profile_rendered, self._profiles
+        rendered.extend(p.to_dict() for p in profiles[len(rendered) :])
+        return list(rendered)
+
     def _profile(self, key: int) -> _Profile:
         return self._profiles[self._prof[key]]
 
@@ -870,22 +883,33 @@ class ShardEngine:
             self._recent_order.append((batch, key, r["id"]))
 
     def _stored_profile(self, spec: Mapping[str, Any]) -> int:
-        """The interned profile of a stored (validated, normalized) spec. Validating a spec
-        costs ~100 us and a replay meets thousands sharing a few profiles, so the answer is
-        kept per profile-relevant content: every field but the id, task and labels (the id
-        too when the schedule's jitter depends on it; nothing of an ``at`` schedule, which a
-        profile does not hold)."""
-        schedule = spec.get("schedule")
-        if isinstance(schedule, Mapping) and "at" in schedule:
-            which: Any = "at"
-        else:
-            which = (repr(schedule), spec.get("id") if "jitter" in (schedule or ()) else None)
-        memo_key = (which, repr([(k, v) for k, v in spec.items() if k not in _NOT_PROFILE]))
-        pid = self._replay_profiles.get(memo_key)
-        if pid is None:
+        """The interned profile of a stored (validated, normalized) spec.
+
+        Validating a whole spec costs ~100 us and a replay meets thousands, so the parts are
+        kept by content: the policy and ``after`` per every field but the id, task, labels
+        and schedule (the first spec with them is validated in full); the schedule per its
+        own fields (and the id, when its jitter depends on it). An ``at`` schedule is not
+        parsed at all: a one-shot's profile holds no schedule.
+        """
+        policy_key = repr([(k, v) for k, v in spec.items() if k not in _NOT_PROFILE])
+        kept = self._replay_policies.get(policy_key)
+        if kept is None:
             full = validate_job(spec, now_ms=self._wall)
-            pid = self._replay_profiles[memo_key] = self._intern(_Profile.of(full))
-        return pid
+            kept = self._replay_policies[policy_key] = (full.policy, full.after)
+        policy, after = kept
+        raw = spec.get("schedule")
+        if isinstance(raw, Mapping) and "at" in raw:
+            return self._intern(_Profile(None, policy, after, None))
+        job_id = spec.get("id")
+        jitter_id = job_id if isinstance(raw, Mapping) and "jitter" in raw else None
+        schedule_key = (repr(raw), jitter_id)
+        schedule = self._replay_schedules.get(schedule_key)
+        if schedule is None:
+            schedule = parse_schedule(raw, created_ms=self._wall, job_id=job_id)
+            self._replay_schedules[schedule_key] = schedule
+        return self._intern(
+            _Profile(schedule, policy, after, job_id if schedule.jitter_ms else None)
+        )
 
     def _apply_fire(self, r: Record) -> None:
         """Recovery of on-time fires: each is a PENDING run and the job's new position."""
@@ -1777,7 +1801,7 @@ class ShardEngine:
                 "epoch": self.epoch,
                 "batch": self._batch,
                 "next_key": n,
-                "profiles": [p.to_dict() for p in self._profiles],
+                "profiles": self._profile_dicts(),
                 "held_next": sorted(self._held_next.items()),
                 "runs": runs,
                 "outbox": [self._outbox[seq] for seq in sorted(self._outbox)],
@@ -1794,6 +1818,7 @@ class ShardEngine:
         if meta["epoch"] >= self.epoch:
             raise StaleEpoch(f"shard already opened at epoch {meta['epoch']} (>= {self.epoch})")
         self._profiles = [_Profile.from_dict(d) for d in meta["profiles"]]
+        self._profile_rendered = list(meta["profiles"])
         self._profile_ids = {p.identity(): i for i, p in enumerate(self._profiles)}
         n = int(meta["next_key"])
         ver = np.ascontiguousarray(arrays["ver"][:n], dtype=np.uint32)
