@@ -13,7 +13,9 @@ is numeric order; ``u64``/``u32`` plain big-endian; values msgpack unless said o
 ============ ========================================== ==============================================
 family       key                                        value
 ============ ========================================== ==============================================
-``log``      u64 seq                                    [batch id, epoch, [records...]] (recovery)
+``log``      u64 seq of the group's last batch          [[batch id, epoch, [records...]], ...]: the
+                                                        batches of one write, in log order (one
+                                                        batch alone: [batch id, epoch, [records]])
 ``jobs``     i64 key                                    [version, spec, id] of the newest ``job``
 ``index``    job id (utf-8)                             i64 key
 ``pos``      i64 key                                    class byte + the newest ``pos`` record
@@ -40,6 +42,7 @@ directory's only writer), and a run scheduled after the newest run its job ever 
 
 from __future__ import annotations
 
+import operator
 import os
 import struct
 import threading
@@ -107,8 +110,8 @@ SNAPSHOT_CHUNK_BYTES: Final = 4 * 1024 * 1024
 #: Memtable size of every family (see _cf_options).
 MEMTABLE_BYTES: Final = 4 * 1024 * 1024
 #: Log entries read per iterator while replaying the tail (an iterator pins the database, so
-#: none is kept open between pages).
-_TAIL_PAGE: Final = 4096
+#: none is kept open between pages). An entry holds a whole group (up to CommitPolicy's bytes).
+_TAIL_PAGE: Final = 256
 
 # Column family numbers, used in prepared batches instead of names.
 _LOG, _JOBS, _INDEX, _POS, _RUNS, _HISTORY, _BYTIME, _NRUNS, _LOGS, _SNAPSHOT, _META = range(11)
@@ -139,6 +142,7 @@ _RUN_CLASS: Final = {"PENDING": _RUN_PENDING, **{s: _RUN_IN_FLIGHT for s in IN_F
 _I64_PAIR: Final = struct.Struct(">QQ")
 _U64_PACK: Final = struct.Struct(">Q").pack
 _FIXARRAY: Final = tuple(bytes((0x90 | n,)) for n in range(16))
+_FAMILY_AND_KEY: Final = operator.itemgetter(0, 1)
 _I64_OFFSET: Final = 1 << 63
 #: Entries each of the store's write caches (position classes, run classes, per-job run count
 #: and newest run time) may hold before it is emptied: a few MB per shard, enough for every key
@@ -530,7 +534,7 @@ class ShardStore:
         # The log value is msgpack [batch id, epoch, [records]], assembled from the records'
         # bytes already encoded above instead of encoding every record twice.
         n = len(encoded)
-        header = _FIXARRAY[n] if n < 16 else packer.pack_array_header(n)
+        header = _FIXARRAY[n] if n < 16 else _array_header(n)
         log_value = b"".join((b"\x93", pack(batch.batch_id), pack(batch.epoch), header, *encoded))
         # The size bounds a group's memory (CommitPolicy.max_bytes): the routed copies are
         # about as large as the log value again.
@@ -566,16 +570,24 @@ class ShardStore:
             wb = WriteBatch(raw_mode=True)
             put = wb.put
             h = self._h
-            log_h = h[_LOG]
-            u64 = _U64_PACK
             first = self._last_seq + 1
-            seq = first
-            for p in prepared:
-                put(u64(seq), p.log_value, log_h)
-                seq += 1
-                for cf, k, v in p.puts:
-                    put(k, v, h[cf])
-            seq -= 1
+            seq = self._last_seq + len(prepared)
+            # One log entry for the whole group, keyed by its last position: one insert, not
+            # one a batch (each batch's value is already a whole msgpack array; the group's is
+            # an array of them).
+            if len(prepared) == 1:
+                put(_U64_PACK(seq), prepared[0].log_value, h[_LOG])
+            else:
+                n = len(prepared)
+                header = _FIXARRAY[n] if n < 16 else _array_header(n)
+                put(_U64_PACK(seq), b"".join([header, *[p.log_value for p in prepared]]), h[_LOG])
+            puts = [e for p in prepared for e in p.puts]
+            # In key order per family (stable: a key written twice keeps its order): each
+            # insert then starts near the previous one in the memtable's skip list, ~20% less
+            # of the write's CPU than inserts at random places.
+            puts.sort(key=_FAMILY_AND_KEY)
+            for cf, k, v in puts:
+                put(k, v, h[cf])
             counts = self._counts.copy()
             try:
                 added = self._account(wb, prepared, counts)
@@ -631,8 +643,7 @@ class ShardStore:
                 else:
                     jobs[job] = [codec.read_u64(raw), _UNKNOWN_AT]
         run_cls = self._run_cls
-        put = wb.put
-        bytime = self._h[_BYTIME]
+        new_runs: list[bytes] = []
         unread: list[tuple[bytes, int, list[int], int]] = []
         for rk, cls, job, at in runs:
             state = jobs[job]
@@ -640,7 +651,7 @@ class ShardStore:
                 state[1] = at
                 state[0] += 1
                 added.add(job)
-                put(rk[8:16] + rk[:8], _EMPTY, bytime)
+                new_runs.append(rk)
                 if cls:  # (other = 0 counts nothing)
                     delta = _RUN_DELTAS[0][cls]
                     counts[3] += delta[0]
@@ -661,14 +672,18 @@ class ShardStore:
                 if old == -1:  # never held (or deleted by retention): index and count it
                     state[0] += 1
                     added.add(job)
-                    put(rk[8:16] + rk[:8], _EMPTY, bytime)
+                    new_runs.append(rk)
                 if old != cls:
                     delta = _RUN_DELTAS[old + 1][cls]
                     counts[3] += delta[0]
                     counts[4] += delta[1]
+        put = wb.put
+        bytime = self._h[_BYTIME]
+        for tk in sorted([rk[8:16] + rk[:8] for rk in new_runs]):  # (in key order: see above)
+            put(tk, _EMPTY, bytime)
         nruns = self._h[_NRUNS]
         i64 = codec.i64
-        for job in added:
+        for job in sorted(added):
             n, newest = jobs[job]
             value = (
                 codec.u64(n) if newest == _UNKNOWN_AT else _I64_PAIR.pack(n, newest + _I64_OFFSET)
@@ -882,19 +897,29 @@ class ShardStore:
 
     def log_batches(self, start: int = 1) -> Iterator[tuple[int, int, int, list[Record]]]:
         """``(seq, batch id, epoch, records)`` of every logged batch from ``start`` on, in
-        order; a page of the log per iterator (none stays open between pages)."""
-        seq = max(start, 0)
+        order; a page of the log per iterator (none stays open between pages). Batches the
+        snapshot covers are gone, even those that share a log entry with later ones."""
+        start = max(start, self._snapshot_seq + 1, 0)
+        seq = start
         while True:
             page = self._scan(_LOG, codec.u64(seq), None, limit=_TAIL_PAGE)
             for k, v in page:
-                s = codec.read_u64(k)
+                last = codec.read_u64(k)
                 try:
-                    batch_id, epoch, records = codec.unpack(v)
+                    entry = codec.unpack(v)
+                    # a group: [[id, epoch, records], ...]; one batch: [id, epoch, records]
+                    group = entry if isinstance(entry[0], list) else [entry]
+                    first = last - len(group) + 1
+                    batches = [
+                        (s, batch_id, epoch, records)
+                        for s, (batch_id, epoch, records) in enumerate(group, first)
+                        if s >= start
+                    ]
                 except Exception as exc:
                     raise Corrupt(
-                        f"log entry {s} cannot be decoded: {exc}", path=self.path
+                        f"log entry {last} cannot be decoded: {exc}", path=self.path
                     ) from exc
-                yield s, batch_id, epoch, records
+                yield from batches
             if len(page) < _TAIL_PAGE:
                 return
             seq = codec.read_u64(page[-1][0]) + 1
@@ -1156,6 +1181,15 @@ class ShardStore:
 
 
 # ===================================================================== helpers
+
+
+def _array_header(n: int) -> bytes:
+    """The msgpack header of an array of ``n`` items."""
+    if n < 16:
+        return _FIXARRAY[n]
+    if n < 1 << 16:
+        return b"\xdc" + n.to_bytes(2, "big")
+    return b"\xdd" + n.to_bytes(4, "big")
 
 
 def _route_run(

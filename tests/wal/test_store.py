@@ -8,6 +8,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from engine.directory import JobDirectory
@@ -317,3 +318,34 @@ def test_run_counts_of_a_store_written_by_an_older_version(tmp_path: Path) -> No
         assert store.counts.runs_pending == 3 and store.counts.runs_in_flight == 1
         store.write([batch(21, run(1, T0 + 15, "SUCCESS"), run(1, T0 + 5), epoch=2)])
         assert store.run_count(1) == 5 and store.counts.runs_pending == 3
+
+
+def test_a_group_is_one_log_entry_read_back_batch_by_batch(tmp_path: Path) -> None:
+    # A write of many batches is one log entry keyed by its last position; readers see the
+    # batches one by one, from any position, and a snapshot inside a group hides its front.
+    import msgpack
+
+    from wal.store import _array_header
+
+    for n in (0, 15, 16, 65535, 65536, 70000):
+        assert _array_header(n) == msgpack.Packer().pack_array_header(n)
+    with ShardStore.open(tmp_path, shard=0, shards=1, epoch=1) as store:
+        sizes = [1, 3, 20]
+        bid = 0
+        for size in sizes:
+            store.write([batch(bid + i, run(bid + i, T0)) for i in range(size)])
+            bid += size
+        got = [(s, b) for s, b, _e, _r in store.log_batches()]
+        assert got == [(b + 1, b) for b in range(24)]
+        assert [s for s, *_ in store.log_batches(10)] == list(range(10, 25))
+        assert [r["key"] for s, _b, _e, rs in store.log_batches(3) for r in rs] == list(
+            range(2, 24)
+        )
+        store.write_snapshot(10, {"x": np.zeros(3)}, {})
+        assert [s for s, *_ in store.log_batches()] == list(range(11, 25))
+        assert store.last_seq == 24
+    with ShardStore.open(tmp_path, shard=0, shards=1, epoch=2) as store:
+        recovered = store.load()
+        assert recovered.last_seq == 24 and recovered.snapshot_seq == 10
+        assert [r["key"] for r in recovered.tail] == list(range(10, 24))
+        assert store.write([batch(99, run(99, T0), epoch=2)]) == [25]
