@@ -41,7 +41,7 @@ from array import array
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import numpy as np
 
@@ -153,6 +153,21 @@ class EngineConfig:
 
 #: Stored spec fields no profile depends on (``schedule`` is keyed on its own).
 _NOT_PROFILE: Final = frozenset({"id", "task", "labels", "schedule", "paused", "replace"})
+
+#: What replays parsed, by content (see ``ShardEngine._stored_profile``): pure functions of
+#: the stored text, so shared by every engine of the process, and bounded.
+_REPLAY_POLICIES: dict[str, tuple[Policy, tuple[str, ...]]] = {}
+_REPLAY_SCHEDULES: dict[tuple[str, Any], Schedule] = {}
+_REPLAY_CACHE_LIMIT: Final = 4096
+
+_V = TypeVar("_V")
+
+
+def _remember(cache: dict[Any, _V], key: Any, value: _V) -> _V:
+    if len(cache) >= _REPLAY_CACHE_LIMIT:
+        cache.clear()  # a bound, not an LRU: replays meet few distinct policies
+    cache[key] = value
+    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -312,9 +327,6 @@ class ShardEngine:
         self._pending: dict[str, int] = {}
         self._fire: dict[str, TimingWheel] = {}  # per tier: job key -> next fire (engine time)
         self._fire_order: list[str] = []  # sorted(self._fire): tiers fire in a fixed order
-        # What a replay parsed, by content (see _stored_profile); emptied after recovery.
-        self._replay_policies: dict[str, tuple[Policy, tuple[str, ...]]] = {}
-        self._replay_schedules: dict[tuple[str, Any], Schedule] = {}
         self._retry = TimingWheel(max(wall_ms, 0))  # run slot -> retry ready time (engine time)
         self._run_timers = TimingWheel(max(mono_ms, 0))  # run slot -> timeout / grace (mono)
         self._run_timer_kind: dict[int, str] = {}
@@ -375,8 +387,6 @@ class ShardEngine:
             engine._apply(rec.check(record), recovering=True)
             if own is not None:
                 own.absorb((record,))
-        engine._replay_policies.clear()
-        engine._replay_schedules.clear()
         engine._after_recovery()
         engine._emit(rec.make("epoch", epoch=epoch))
         for _seq, out in sorted(engine._outbox.items()):
@@ -540,8 +550,11 @@ class ShardEngine:
                 if run is not None and run.state is RunState.PENDING:
                     # ``due`` stays as recorded: a ready time in the past means ready.
                     self._enqueue(run)
+        fire = self._fire
         for tier in self._fire_order:
-            self._fire_tier(tier)
+            nd = fire[tier].next_due()
+            if nd is not None and nd <= wall:
+                self._fire_tier(tier)
         self._dispatch_all()
 
     def _alloc_slot(self) -> int:
@@ -892,10 +905,10 @@ class ShardEngine:
         parsed at all: a one-shot's profile holds no schedule.
         """
         policy_key = repr([(k, v) for k, v in spec.items() if k not in _NOT_PROFILE])
-        kept = self._replay_policies.get(policy_key)
+        kept = _REPLAY_POLICIES.get(policy_key)
         if kept is None:
             full = validate_job(spec, now_ms=self._wall)
-            kept = self._replay_policies[policy_key] = (full.policy, full.after)
+            kept = _remember(_REPLAY_POLICIES, policy_key, (full.policy, full.after))
         policy, after = kept
         raw = spec.get("schedule")
         if isinstance(raw, Mapping) and "at" in raw:
@@ -903,10 +916,10 @@ class ShardEngine:
         job_id = spec.get("id")
         jitter_id = job_id if isinstance(raw, Mapping) and "jitter" in raw else None
         schedule_key = (repr(raw), jitter_id)
-        schedule = self._replay_schedules.get(schedule_key)
+        schedule = _REPLAY_SCHEDULES.get(schedule_key)
         if schedule is None:
-            schedule = parse_schedule(raw, created_ms=self._wall, job_id=job_id)
-            self._replay_schedules[schedule_key] = schedule
+            parsed = parse_schedule(raw, created_ms=self._wall, job_id=job_id)
+            schedule = _remember(_REPLAY_SCHEDULES, schedule_key, parsed)
         return self._intern(
             _Profile(schedule, policy, after, job_id if schedule.jitter_ms else None)
         )
