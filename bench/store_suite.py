@@ -168,10 +168,11 @@ def durable_rate(
 def trio_durable_rate(
     store: ShardStore, producers: int, seconds: float, cap: int | None, epoch: int
 ) -> tuple[float, float]:
-    """:func:`durable_rate` with Trio tasks as producers instead of threads: the pattern the
-    node uses — the same :class:`~wal.commit.CommitQueue` policy, the write in a worker thread
+    """:func:`durable_rate` with Trio tasks as producers instead of threads: a Trio driver of
+    the same :class:`~wal.commit.CommitQueue` policy, the write in a worker thread
     (``trio.to_thread.run_sync``), acknowledgements as events in the loop, so a waiting producer
-    costs no thread switch."""
+    costs no thread switch (but a task switch: see :func:`node_durable_rate` for the node's
+    pattern, which has none)."""
     import trio
 
     m = next(_measurements)

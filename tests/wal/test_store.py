@@ -219,6 +219,8 @@ def test_an_invalid_record_refuses_the_write(tmp_path: Path, bad: object) -> Non
     with open_store(tmp_path) as store:
         with pytest.raises(InvalidBatch):
             store.write([created(0), batch(2, job(1), bad)])  # type: ignore[arg-type]
+        with pytest.raises(InvalidBatch):  # alone in its batch (the one-record path)
+            store.write([created(0), batch(2, bad)])  # type: ignore[arg-type]
         assert store.last_seq == 0 and store.key_of("job-0") is None
         assert store.write([created(0)]) == [1]
 
