@@ -399,7 +399,17 @@ def _parse_task(value: object) -> dict[str, object]:
                 raise JobSpecError(
                     "applies only to command, shell and container tasks", field=f"task.{key}"
                 )
-        task = {"payload": _payload(value["payload"], "task.payload", 0, _Budget(MAX_TASK_BYTES))}
+        budget = _Budget(MAX_TASK_BYTES)
+        task = {"payload": _payload(value["payload"], "task.payload", 0, budget)}
+        # The walk spent exactly the payload's encoded size; add {"payload": ...} around it
+        # (a one-entry map header and the 8-byte key) instead of walking it a second time.
+        size = 1 + _packed_size("payload") + MAX_TASK_BYTES - budget.left
+        if size > MAX_TASK_BYTES:
+            raise JobSpecError(
+                f"the task is {size} bytes encoded; the limit is {MAX_TASK_BYTES} (256 KiB)",
+                field="task",
+            )
+        return task
     elif kind == "command":
         argv = _argv(value["command"], "task.command", non_empty=True)
         if not argv[0]:
@@ -623,6 +633,30 @@ def _parse_policy(spec: Mapping[str, object]) -> Policy:
         max_catchup=max_catchup,
         overlap=overlap,
     )
+
+
+#: Validated policies by the raw values they came from: a node sees few distinct policies,
+#: and parsing one (durations, choices, retries) is a fifth of validating a spec.
+_PARSED_POLICIES: dict[tuple[object, ...], Policy] = {}
+
+
+def _policy_key_part(value: object) -> object:
+    # The type goes into the key: True == 1 == 1.0 as dict keys, but not as policy values.
+    if value is None or type(value) in (str, int, float, bool):
+        return (type(value), value)
+    return (type(value), repr(value))  # a retries object: compared by its text
+
+
+def _parse_policy_cached(spec: Mapping[str, object]) -> Policy:
+    """:func:`_parse_policy`, kept per distinct raw policy values (errors are not kept)."""
+    key = tuple((k, _policy_key_part(spec[k])) for k in POLICY_KEYS if k in spec)
+    policy = _PARSED_POLICIES.get(key)
+    if policy is None:
+        policy = _parse_policy(spec)
+        if len(_PARSED_POLICIES) >= _POLICY_DICT_CACHE:
+            _PARSED_POLICIES.clear()
+        _PARSED_POLICIES[key] = policy
+    return policy
 
 
 def parse_policy(spec: object) -> Policy:
@@ -857,7 +891,7 @@ def validate_job(spec: Mapping[str, object], *, now_ms: int) -> JobSpec:
     job_id = validate_job_id(spec["id"])
     schedule = parse_schedule(spec["schedule"], created_ms=now_ms, job_id=job_id)
     task = _parse_task(spec["task"])
-    policy = _parse_policy(spec)
+    policy = _parse_policy_cached(spec)
     if policy.on_timeout_target == job_id:
         raise JobSpecError(
             "a job cannot trigger itself on timeout; use 'retry:N'", field="on_timeout"

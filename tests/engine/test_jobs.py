@@ -903,3 +903,18 @@ def test_property_policy_records_raise_only_state_errors(raw: Any) -> None:
         PolicyTable.from_list([raw])
     except PolicyRecordError:
         pass
+
+
+def test_the_policy_cache_tells_booleans_from_numbers_and_keeps_no_errors() -> None:
+    # Parsed policies are kept by their raw values; True == 1 as a dict key must not let a
+    # boolean through where an integer was accepted, and a refusal must come back every time.
+    assert job(max_catchup=1).policy.max_catchup == 1
+    for _ in range(2):
+        with pytest.raises(JobSpecError) as exc:
+            job(max_catchup=True)
+        assert exc.value.field == "max_catchup"
+    assert job(retries={"max": 2}).policy.retries_max == 2
+    assert job(retries={"max": 3}).policy.retries_max == 3  # retries objects told apart
+    assert job(retries={"factor": 2}).policy.retry_factor == 2.0
+    with pytest.raises(JobSpecError):
+        job(retries={"factor": True})
