@@ -131,7 +131,10 @@ async def _lanes(
         while next_index < len(items) and time.perf_counter() < deadline:
             item = items[next_index]
             next_index += 1
-            done += await send(client, item)
+            # Not ``done += await ...``: that reads ``done`` before the await, so every lane
+            # that was waiting meanwhile would overwrite the others' counts.
+            acknowledged = await send(client, item)
+            done += acknowledged
 
     async def connection() -> None:
         async with Client.connect("127.0.0.1", port, reconnect=False) as client:
