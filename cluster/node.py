@@ -23,11 +23,10 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import signal
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -82,6 +81,9 @@ DEFAULT_SHARDS = 2
 MAX_IN_FLIGHT = 1024
 #: replies and pushes waiting for a slow reader before its connection is closed
 MAX_QUEUED_REPLIES = 65_536
+#: most commands in one engine call: bounds a turn's length (and so the wait of a fire or a
+#: dispatch behind it) while keeping batches large
+TURN_COMMANDS = 512
 #: a shard's log tail (records) after which the shard stores a snapshot
 SNAPSHOT_EVERY_RECORDS = 500_000
 
@@ -151,12 +153,12 @@ ReplyCallback = Callable[["Reply | StoreError"], None]
 
 class _Slot:
     """Where a command's reply lands (or the store failure that stopped the shard): an event
-    a task waits on, or a callback (no task needed)."""
+    a task waits on, or a callback (no task needed, and no event made)."""
 
     __slots__ = ("callback", "event", "failure", "reply")
 
     def __init__(self, callback: ReplyCallback | None = None) -> None:
-        self.event = trio.Event()
+        self.event = trio.Event() if callback is None else None
         self.reply: Reply | None = None
         self.failure: StoreError | None = None
         self.callback = callback
@@ -168,6 +170,7 @@ class _Slot:
             assert outcome is not None
             self.callback(outcome)
         else:
+            assert self.event is not None
             self.event.set()
 
 
@@ -179,10 +182,16 @@ class ShardHost:
     node: Node
     store: ShardStore
     engine: ShardEngine
-    committer: GroupCommitter
     token: trio.lowlevel.TrioToken
-    inbox_send: trio.MemorySendChannel[Command] = field(init=False)
-    inbox_recv: trio.MemoryReceiveChannel[Command] = field(init=False)
+    committer: GroupCommitter = field(init=False)  # made once the host exists (its callback)
+    # The commands waiting for the loop's next turn: a list and a wake-up, not a memory
+    # channel (a channel's send costs several times an append, and a busy node makes several
+    # commands per run: reports, pulls, acknowledgements).
+    pending: list[Command] = field(default_factory=list)
+    wakeup: trio.Event | None = None  # set while the loop sleeps with nothing pending
+    # Workers whose free slots changed since this shard last heard (a dispatch by another
+    # shard, a worker's own pull): one Pull each per turn, whatever the number of changes.
+    credits_changed: dict[str, None] = field(default_factory=dict)
     slots: dict[int, _Slot] = field(default_factory=dict)
     next_request: int = 0
     failed: StoreError | None = None
@@ -190,9 +199,6 @@ class ShardHost:
     since_snapshot: int = 0
     snapshot_pending: bool = False
     batch_seq: dict[int, int] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self.inbox_send, self.inbox_recv = trio.open_memory_channel(math.inf)
 
     # ------------------------------------------------------------------ commands in
 
@@ -204,7 +210,8 @@ class ShardHost:
         self.next_request += 1
         request_id = self.next_request
         slot = self._slot(request_id)
-        self.inbox_send.send_nowait(make(request_id))
+        self._push(make(request_id))
+        assert slot.event is not None
         await slot.event.wait()
         if slot.failure is not None:
             raise slot.failure
@@ -223,12 +230,30 @@ class ShardHost:
             return
         self.next_request += 1
         self._slot(self.next_request, callback)
-        self.inbox_send.send_nowait(make(self.next_request))
+        self._push(make(self.next_request))
 
     def tell(self, command: Command) -> None:
-        """A command without a reply (a worker's report, a pull, a durable-acknowledgement)."""
+        """A command without a reply (a worker's report, a durable-acknowledgement)."""
         if self.failed is None:
-            self.inbox_send.send_nowait(command)
+            self._push(command)
+
+    def credits_changed_for(self, worker_id: str) -> None:
+        """The worker's free slots changed: the loop's next turn sends this shard one Pull
+        with the node's newest count (:attr:`WorkerSession.free`), however many changes came
+        meanwhile. Pulls only set a count, so the newest one alone says the same."""
+        if self.failed is None:
+            self.credits_changed[worker_id] = None
+            wakeup = self.wakeup
+            if wakeup is not None:
+                self.wakeup = None
+                wakeup.set()
+
+    def _push(self, command: Command) -> None:
+        self.pending.append(command)
+        wakeup = self.wakeup
+        if wakeup is not None:
+            self.wakeup = None
+            wakeup.set()
 
     # ------------------------------------------------------------------ the loop
 
@@ -237,29 +262,57 @@ class ShardHost:
         self.route(self.initial)
         self.initial = []
         while True:
-            wake = engine.next_wakeup_mono()
-            timeout = math.inf if wake is None else max(0.0, (wake - mono_ms()) / 1000)
-            batch: list[Command] = []
-            with trio.move_on_after(timeout):
-                batch.append(await self.inbox_recv.receive())
-            while len(batch) < 1024:
-                try:
-                    batch.append(self.inbox_recv.receive_nowait())
-                except trio.WouldBlock:
-                    break
-            if not batch:
-                self.route(engine.tick(wall_ms(), mono_ms()))
+            if self.pending or self.credits_changed:
+                await trio.lowlevel.checkpoint()  # between two busy turns, the others run
             else:
-                # One engine call, one batch for everything that arrived meanwhile.
-                try:
-                    self.route(engine.handle_many(batch, wall_ms(), mono_ms()))
-                except EngineError:
-                    # A bug, not bad input (commands' errors are replies): keep serving the
-                    # shard's other work rather than take the node down.
-                    log.exception("shard %d: engine error", self.index)
+                wake = engine.next_wakeup_mono()
+                wakeup = self.wakeup = trio.Event()
+                if wake is None:
+                    await wakeup.wait()
+                else:
+                    # To the engine's millisecond (epoll rounds its timeout up, never down).
+                    timeout = (wake * 1_000_000 - time.monotonic_ns()) / 1e9
+                    if timeout > 0:
+                        with trio.move_on_after(timeout):
+                            await wakeup.wait()
+                self.wakeup = None
+            self.turn()
             if self.since_snapshot >= SNAPSHOT_EVERY_RECORDS and not self.snapshot_pending:
                 self._start_snapshot()
-            await trio.lowlevel.checkpoint()
+
+    def turn(self) -> None:
+        """One engine call for everything pending (or a tick when nothing is), one batch."""
+        engine = self.engine
+        pending = self.pending
+        if len(pending) > TURN_COMMANDS:
+            # A bounded turn: its batch goes to the disk, and its dispatches out, sooner.
+            batch, self.pending = pending[:TURN_COMMANDS], pending[TURN_COMMANDS:]
+        else:
+            batch, self.pending = pending, []
+        if self.credits_changed and not self.pending:
+            # After every command queued (a hello among them): the newest count of them all.
+            workers = self.node.workers
+            for worker_id in self.credits_changed:
+                session = workers.get(worker_id)
+                if session is not None:
+                    batch.append(Pull(worker_id, session.free))
+            self.credits_changed = {}
+        try:
+            if not batch:
+                self.route(engine.tick(wall_ms(), mono_ms()))
+                return
+            mono = mono_ms()
+            wake = engine.next_wakeup_mono()
+            if wake is not None and wake <= mono:
+                # Something is due: its fire records leave for the disk before the commands
+                # are worked through (a turn of hundreds of commands takes milliseconds).
+                self.route(engine.tick(wall_ms(), mono))
+            # One engine call, one batch for everything that arrived meanwhile.
+            self.route(engine.handle_many(batch, wall_ms(), mono_ms()))
+        except EngineError:
+            # A bug, not bad input (commands' errors are replies): keep serving the shard's
+            # other work rather than take the node down.
+            log.exception("shard %d: engine error", self.index)
 
     def route(self, effects: Iterable[Effect]) -> None:
         node = self.node
@@ -292,26 +345,30 @@ class ShardHost:
         if self.failed is not None:
             return
         try:
-            self.committer.submit(batch, callback=self._on_committed)
+            self.committer.submit(batch)
         except StoreError as exc:
             self._fail(exc)
             return
         self.since_snapshot += len(batch.records)
 
-    def _on_committed(self, ticket: Ticket) -> None:
-        # On the writer thread: hop to Trio without blocking the writer.
+    def on_group(self, tickets: Sequence[Ticket]) -> None:
+        """The committer wrote a group (on its thread): one hop to Trio per group, not one per
+        batch (each hop is a write to Trio's wake-up socket and a pass of its loop)."""
         try:
-            self.token.run_sync_soon(self._committed, ticket)
+            self.token.run_sync_soon(self._committed, tickets)
         except trio.RunFinishedError:
             pass
 
-    def _committed(self, ticket: Ticket) -> None:
-        if ticket.error is not None:
-            self._fail(ticket.error)
-            return
-        assert ticket.seq is not None
-        self.batch_seq[ticket.batch_id] = ticket.seq
-        self.tell(Durable(ticket.batch_id))
+    def _committed(self, tickets: Sequence[Ticket]) -> None:
+        batch_seq = self.batch_seq
+        for ticket in tickets:
+            if ticket.error is not None:
+                self._fail(ticket.error)
+                return
+            assert ticket.seq is not None
+            batch_seq[ticket.batch_id] = ticket.seq
+        # The engine releases everything held up to this batch: one command for the group.
+        self.tell(Durable(tickets[-1].batch_id))
 
     def _fail(self, exc: StoreError) -> None:
         """A store failure stops the shard: nothing more is acknowledged."""
@@ -390,8 +447,10 @@ class Connection:
         self.node = node
         self.stream = stream
         self.decoder = FrameDecoder(node.max_frame)
-        # Bounded: a peer that sends without reading must not grow the node's memory.
-        self.out_send, self.out_recv = trio.open_memory_channel[bytes](MAX_QUEUED_REPLIES)
+        # Frames waiting for the writer task: a list and a wake-up (cheaper than a channel),
+        # bounded: a peer that sends without reading must not grow the node's memory.
+        self.out: list[bytes] = []
+        self.out_ready: trio.Event | None = None  # set while the writer waits for frames
         self.scope: trio.CancelScope | None = None
         self.limiter = trio.Semaphore(MAX_IN_FLIGHT)
         self.worker: WorkerSession | None = None
@@ -425,26 +484,28 @@ class Connection:
             # Never leave a request unanswered: say that its reply could not be encoded.
             log.error("cannot encode a reply: %s", exc)
             frame = encode(error(message.get("id"), "internal", "reply could not be encoded"))
-        try:
-            self.out_send.send_nowait(frame)
-        except trio.WouldBlock:
+        out = self.out
+        if len(out) >= MAX_QUEUED_REPLIES:
             log.warning("a peer left %d replies unread: closing it", MAX_QUEUED_REPLIES)
             self.closed = True
             if self.scope is not None:
                 self.scope.cancel()
+            return
+        out.append(frame)
+        ready = self.out_ready
+        if ready is not None:
+            self.out_ready = None
+            ready.set()
 
     async def _writer(self) -> None:
+        # Everything queued while the previous send was in flight leaves in one send: replies
+        # of a whole turn (or group commit) cost one system call, not one each.
         while True:
-            chunks = [await self.out_recv.receive()]
-            size = len(chunks[0])
-            while size < 256 * 1024:
-                try:
-                    chunk = self.out_recv.receive_nowait()
-                except trio.WouldBlock:
-                    break
-                chunks.append(chunk)
-                size += len(chunk)
-            await self.stream.send_all(b"".join(chunks))
+            if not self.out:
+                ready = self.out_ready = trio.Event()
+                await ready.wait()
+            chunks, self.out = self.out, []
+            await self.stream.send_all(chunks[0] if len(chunks) == 1 else b"".join(chunks))
 
     async def _reader(self, nursery: trio.Nursery) -> None:
         while True:
@@ -626,7 +687,8 @@ class Node:
             recovered.counts.pending_jobs,
             recovered.counts.runs_in_flight,
         )
-        host = ShardHost(index, self, store, engine, GroupCommitter(store), token)
+        host = ShardHost(index, self, store, engine, token)
+        host.committer = GroupCommitter(store, name=f"wal-commit-{index}", on_group=host.on_group)
         host.initial = effects
         return host
 
@@ -681,11 +743,12 @@ class Node:
                 },
             )
         )
-        # The shard that dispatched counted the credit; the others learn the new free count.
+        # The shard that dispatched counted the credit; the others learn the new free count
+        # (at their next turn, once however many dispatches happen meanwhile).
         session.free = max(0, session.free - 1)
         for host in self.hosts:
             if host.index != shard:
-                host.tell(Pull(session.worker_id, session.free))
+                host.credits_changed_for(session.worker_id)
 
     def kill(self, effect: Kill) -> None:
         session = self.workers.get(effect.worker_id)
@@ -942,7 +1005,7 @@ class Node:
             raise BadArgs("credits: must be >= 0", None, "credits")
         session.free = credits
         for host in self.hosts:
-            host.tell(Pull(session.worker_id, credits))
+            host.credits_changed_for(session.worker_id)
         return {}
 
     def _started(self, conn: Connection, args: dict[str, Any]) -> Any:
