@@ -69,6 +69,23 @@ def parse_address(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
+class _Outbox:
+    """The frames waiting to go out on one connection, and its writer's wake-up."""
+
+    __slots__ = ("frames", "ready")
+
+    def __init__(self) -> None:
+        self.frames: list[bytes] = []
+        self.ready: trio.Event | None = None  # set while the writer waits for frames
+
+    def put(self, frame: bytes) -> None:
+        self.frames.append(frame)
+        ready = self.ready
+        if ready is not None:
+            self.ready = None
+            ready.set()
+
+
 class Client:
     """A connection to one node. Open with ``async with Client.connect(host, port) as client``. Safe to use from many tasks at once."""
 
@@ -88,8 +105,8 @@ class Client:
         self._next_id = 0
         self._waiting: dict[int, tuple[trio.Event, list[Message]]] = {}
         self._stream: trio.SocketStream | None = None
+        self._outbox: _Outbox | None = None  # the current connection's
         self._connected = trio.Event()
-        self._send_lock = trio.Lock()
         self._nursery: trio.Nursery | None = None
         self._closed = False
         self.pushes_send, self.pushes = trio.open_memory_channel[Message](math.inf)
@@ -153,9 +170,11 @@ class Client:
                 await trio.sleep(delay)
                 delay = min(delay * 2, 1.0)
         self._stream = stream
+        self._outbox = outbox = _Outbox()
         self.generation += 1
         assert self._nursery is not None
         self._nursery.start_soon(self._reader, stream)
+        self._nursery.start_soon(self._writer, stream, outbox)
         if announce:
             self._connected.set()
 
@@ -181,11 +200,29 @@ class Client:
             pass
         if self._stream is stream:
             self._stream = None
+            self._outbox = None
             self._connected = trio.Event()
             self._fail_waiting(ConnectionLost(f"connection to {self.host}:{self.port} lost"))
             if self.reconnect and not self._closed:
                 assert self._nursery is not None
                 self._nursery.start_soon(self._reconnect)
+
+    async def _writer(self, stream: trio.SocketStream, outbox: _Outbox) -> None:
+        """Sends what requests queued: everything queued while the previous send was in flight
+        leaves in one send (many requests in flight cost few system calls, and a request
+        never waits for a lock). A failed send closes the stream: the reader then fails every
+        request waiting, which are retried after the reconnect."""
+        try:
+            while True:
+                if not outbox.frames:
+                    ready = outbox.ready = trio.Event()
+                    await ready.wait()
+                frames, outbox.frames = outbox.frames, []
+                await stream.send_all(frames[0] if len(frames) == 1 else b"".join(frames))
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            with trio.move_on_after(1) as scope:
+                scope.shield = True
+                await stream.aclose()
 
     async def _reconnect(self) -> None:
         # Requests wait until the hook (a worker's hello) has run on the new connection: a
@@ -236,33 +273,42 @@ class Client:
                     raise
                 await trio.sleep(0.05)
 
-    async def _request_once(self, op: str, args: dict[str, Any]) -> Any:
-        if not _handshake.get():
-            await self._connected.wait()
-        stream = self._stream
-        if stream is None:
-            raise ConnectionLost("not connected")
+    def _frame(self, op: str, args: dict[str, Any]) -> tuple[int, bytes]:
         self._next_id += 1
         request_id = self._next_id
-        event, box = trio.Event(), list[Message]()
-        self._waiting[request_id] = (event, box)
         try:
             frame = encode({"id": request_id, "op": op, "args": args})
         except ProtocolError as exc:
-            self._waiting.pop(request_id, None)
             raise ClientError(exc.message) from None
         if len(frame) - 4 > self.max_frame:
             # The node would answer with an error it cannot pair with this request.
-            self._waiting.pop(request_id, None)
             raise ClientError(
                 f"{op}: request of {len(frame) - 4} bytes; the frame limit is {self.max_frame}"
             )
-        try:
-            async with self._send_lock:
-                await stream.send_all(frame)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-            self._waiting.pop(request_id, None)
-            raise ConnectionLost("connection lost while sending") from None
+        return request_id, frame
+
+    def notify(self, op: str, args: dict[str, Any]) -> bool:
+        """Send ``op`` without waiting for (or reading) its reply: for a report whose answer
+        changes nothing for the sender. False when there is no connection right now (nothing
+        was sent); a connection that breaks later may lose it too. Raises
+        :class:`ClientError` for a request that cannot be encoded."""
+        outbox = self._outbox
+        if outbox is None or not self._connected.is_set():
+            return False
+        _request_id, frame = self._frame(op, args)
+        outbox.put(frame)  # its reply is dropped by the reader: no one waits for that id
+        return True
+
+    async def _request_once(self, op: str, args: dict[str, Any]) -> Any:
+        if not _handshake.get() and not self._connected.is_set():
+            await self._connected.wait()
+        outbox = self._outbox
+        if outbox is None:
+            raise ConnectionLost("not connected")
+        request_id, frame = self._frame(op, args)
+        event, box = trio.Event(), list[Message]()
+        self._waiting[request_id] = (event, box)
+        outbox.put(frame)
         try:
             await event.wait()
         finally:

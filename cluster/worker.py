@@ -201,7 +201,11 @@ class WorkerAgent:
         async def on_output(stream: str, data: bytes) -> None:
             await self._send_output(ticket, stream, data)
 
-        await self._report("worker.started", {"run_id": rid, "token": ticket.token})
+        # Not awaited: the answer to a start report changes nothing here, and the task should
+        # not wait a round trip to begin. It leaves before any later report of the run (one
+        # connection, in order); lost with a broken connection, the run is still announced
+        # as held by the hello after the reconnect, and its final report is retried.
+        self.client.notify("worker.started", {"run_id": rid, "token": ticket.token})
         try:
             if "payload" in ticket.task:
                 if self.payload_handler is None:
