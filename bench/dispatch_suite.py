@@ -76,11 +76,7 @@ class _CountingAgent(WorkerAgent):
             self.counters.first_ms = time.time_ns() / 1e6
         super()._start(ticket)
 
-    async def _report_finished(self, rid: str) -> None:
-        held = self.held.get(rid)
-        await super()._report_finished(rid)
-        if held is None or held.outcome is None:
-            return  # nothing was reported
+    def acknowledged(self, rid: str) -> None:
         c = self.counters
         c.done += 1
         c.last_ms = time.time_ns() / 1e6

@@ -61,6 +61,16 @@ class ConnectionLost(ClientError):
     code = "connection_lost"
 
 
+def _outcome(reply: Message) -> Any | ClientError:
+    """A reply's result, or the error standing for it."""
+    if "_lost" in reply:
+        return ConnectionLost(reply["_lost"])
+    if reply.get("ok"):
+        return reply.get("result")
+    err = reply.get("error") or {}
+    return RemoteError(str(err.get("code", "error")), str(err.get("message", "")), err.get("field"))
+
+
 def parse_address(text: str) -> tuple[str, int]:
     """``HOST:PORT`` -> (host, port); raises :class:`ClientError` on anything else."""
     host, sep, port = text.rpartition(":")
@@ -103,13 +113,17 @@ class Client:
         self.reconnect = reconnect
         self.max_frame = max_frame
         self._next_id = 0
-        self._waiting: dict[int, tuple[trio.Event, list[Message]]] = {}
+        # request id -> what its reply wakes: a waiting task's (event, box), or a callback
+        self._waiting: dict[int, tuple[trio.Event, list[Message]] | Callable[[Message], None]] = {}
         self._stream: trio.SocketStream | None = None
         self._outbox: _Outbox | None = None  # the current connection's
         self._connected = trio.Event()
         self._nursery: trio.Nursery | None = None
         self._closed = False
         self.pushes_send, self.pushes = trio.open_memory_channel[Message](math.inf)
+        #: when set, pushes are handed to it by the reader, in order, instead of :attr:`pushes`
+        #: (no channel, no task: a worker's dispatches cost less)
+        self.on_push: Callable[[Message], None] | None = None
         #: called (awaited) after every reconnect, before requests flow again: a worker says
         #: hello again here
         self.on_reconnect: Callable[[], Awaitable[None]] | None = None
@@ -190,12 +204,19 @@ class Client:
                     if isinstance(event, ProtocolError):
                         continue  # the node sent something unreadable; skip that frame
                     if "push" in event:
-                        self.pushes_send.send_nowait(event)
+                        if self.on_push is not None:
+                            self.on_push(event)
+                        else:
+                            self.pushes_send.send_nowait(event)
                         continue
                     waiter = self._waiting.pop(event.get("id", -1), None)
-                    if waiter is not None:
+                    if waiter is None:
+                        continue
+                    if isinstance(waiter, tuple):
                         waiter[1].append(event)
                         waiter[0].set()
+                    else:
+                        waiter(event)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             pass
         if self._stream is stream:
@@ -241,9 +262,13 @@ class Client:
 
     def _fail_waiting(self, error: ClientError) -> None:
         waiting, self._waiting = self._waiting, {}
-        for event, box in waiting.values():
-            box.append({"_lost": str(error)})
-            event.set()
+        lost = {"_lost": str(error)}
+        for waiter in waiting.values():
+            if isinstance(waiter, tuple):
+                waiter[1].append(lost)
+                waiter[0].set()
+            else:
+                waiter(lost)
 
     # ------------------------------------------------------------------ requests
 
@@ -299,6 +324,22 @@ class Client:
         outbox.put(frame)  # its reply is dropped by the reader: no one waits for that id
         return True
 
+    def send_then(
+        self, op: str, args: dict[str, Any], on_answer: Callable[[Any | ClientError], None]
+    ) -> bool:
+        """Send ``op`` now; ``on_answer`` later gets its result, or the :class:`RemoteError`
+        or :class:`ConnectionLost` in its place (called from the reader, so it must not
+        block). No task waits and nothing is retried: that is the caller's business. False
+        when there is no connection right now (nothing sent, ``on_answer`` never called).
+        Raises :class:`ClientError` for a request that cannot be encoded."""
+        outbox = self._outbox
+        if outbox is None or not self._connected.is_set():
+            return False
+        request_id, frame = self._frame(op, args)
+        self._waiting[request_id] = lambda reply: on_answer(_outcome(reply))
+        outbox.put(frame)
+        return True
+
     async def _request_once(self, op: str, args: dict[str, Any]) -> Any:
         if not _handshake.get() and not self._connected.is_set():
             await self._connected.wait()
@@ -313,15 +354,10 @@ class Client:
             await event.wait()
         finally:
             self._waiting.pop(request_id, None)
-        reply = box[0]
-        if "_lost" in reply:
-            raise ConnectionLost(reply["_lost"])
-        if reply.get("ok"):
-            return reply.get("result")
-        err = reply.get("error") or {}
-        raise RemoteError(
-            str(err.get("code", "error")), str(err.get("message", "")), err.get("field")
-        )
+        outcome = _outcome(box[0])
+        if isinstance(outcome, ClientError):
+            raise outcome
+        return outcome
 
     # ------------------------------------------------------------------ jobs
 

@@ -61,6 +61,7 @@ class _Held:
     ticket: RunTicket
     handle: RunHandle = field(default_factory=RunHandle)
     outcome: tuple[str, int | None] | None = None  # finished, not yet acknowledged by the node
+    reporting: bool = False  # its final report is out, its answer not yet in
 
 
 class WorkerAgent:
@@ -88,6 +89,7 @@ class WorkerAgent:
         self.container_runtime = container_runtime
         self.payload_handler = payload_handler
         self.held: dict[str, _Held] = {}  # run id -> run this worker holds
+        self.running = 0  # runs of self.held without an outcome yet
         self.waiting: list[RunTicket] = []  # dispatched beyond the free slots (several shards)
         self.lease_ms = 10_000
         # when the newest acknowledged heartbeat (or hello) left: what the fence counts from
@@ -103,18 +105,18 @@ class WorkerAgent:
         async with Client.connect(self.host, self.port, timeout_s=3600) as client:
             self.client = client
             client.on_reconnect = self._hello
+            client.on_push = self._on_push  # read inline: no channel, no task per dispatch
             async with trio.open_nursery() as nursery:
                 self.nursery = nursery
                 await self._hello()
-                nursery.start_soon(self._receive_pushes)
                 nursery.start_soon(self._heartbeats)
                 task_status.started()
 
     def _running(self) -> int:
-        return sum(1 for h in self.held.values() if h.outcome is None)
+        return self.running
 
     def _free(self) -> int:
-        return max(0, self.slots - self._running() - len(self.waiting))
+        return max(0, self.slots - self.running - len(self.waiting))
 
     def _held_list(self) -> list[list[Any]]:
         """Every run this worker holds: running, finished but not yet acknowledged, and
@@ -163,35 +165,36 @@ class WorkerAgent:
                 held.handle.kill("fenced: no heartbeat acknowledged within the lease")
         self.waiting.clear()
 
-    async def _receive_pushes(self) -> None:
-        async for message in self.client.pushes:
-            kind = message.get("push")
-            if kind == "dispatch":
-                ticket = ticket_of(message["run"])
-                if ticket.run_id in self.held:
-                    continue  # a repeat of what we hold
-                if self._running() < self.slots:
-                    self._start(ticket)
-                else:
-                    self.waiting.append(ticket)
-            elif kind == "kill":
-                held = self.held.get(message["run_id"])
-                if held is not None and held.ticket.token == message["token"]:
-                    held.handle.kill(str(message.get("reason", "killed by the node")))
-                self.waiting = [
-                    t
-                    for t in self.waiting
-                    if not (t.run_id == message["run_id"] and t.token == message["token"])
-                ]
-            elif kind == "refused":
-                log.warning("node refused a report: %s", message.get("message"))
-                self.nursery.start_soon(self._hello)
+    def _on_push(self, message: dict[str, Any]) -> None:
+        """A push from the node, in the order they came (called by the client's reader)."""
+        kind = message.get("push")
+        if kind == "dispatch":
+            ticket = ticket_of(message["run"])
+            if ticket.run_id in self.held:
+                return  # a repeat of what we hold
+            if self.running < self.slots:
+                self._start(ticket)
+            else:
+                self.waiting.append(ticket)
+        elif kind == "kill":
+            held = self.held.get(message["run_id"])
+            if held is not None and held.ticket.token == message["token"]:
+                held.handle.kill(str(message.get("reason", "killed by the node")))
+            self.waiting = [
+                t
+                for t in self.waiting
+                if not (t.run_id == message["run_id"] and t.token == message["token"])
+            ]
+        elif kind == "refused":
+            log.warning("node refused a report: %s", message.get("message"))
+            self.nursery.start_soon(self._hello)
 
     # ------------------------------------------------------------------ one run
 
     def _start(self, ticket: RunTicket) -> None:
         held = _Held(ticket)
         self.held[ticket.run_id] = held
+        self.running += 1
         self.nursery.start_soon(self._execute, held)
 
     async def _execute(self, held: _Held) -> None:
@@ -229,34 +232,69 @@ class WorkerAgent:
             await on_output("stderr", f"tickwheel: {exc}\n".encode())
             outcome, code = "failed", None
         held.outcome = (outcome, code)
+        self.running -= 1
         self.completed += 1
         if self.waiting:
             self._start(self.waiting.pop(0))
-        await self._report_finished(rid)
+        self._send_finished(rid)
 
-    async def _report_finished(self, rid: str) -> None:
-        held = self.held.get(rid)
-        if held is None or held.outcome is None:
-            return
+    def _finished_args(self, rid: str, held: _Held) -> dict[str, Any]:
+        assert held.outcome is not None
         outcome, code = held.outcome
         # The free slots ride along: one request per finished run instead of two.
-        free = (
-            self.slots
-            - sum(1 for r, h in self.held.items() if h.outcome is None and r != rid)
-            - len(self.waiting)
-        )
-        done = await self._report(
+        return {
+            "run_id": rid,
+            "token": held.ticket.token,
+            "outcome": outcome,
+            "exit_code": code,
+            "credits": self._free(),
+        }
+
+    def _send_finished(self, rid: str) -> None:
+        """The final report, answered by callback (the run's task ends now). Without a
+        connection, or when the answer is a lost connection, it is sent again: by a task
+        that retries, or by the hello after the reconnect."""
+        held = self.held.get(rid)
+        if held is None or held.outcome is None or held.reporting:
+            return
+        held.reporting = self.client.send_then(
             "worker.finished",
-            {
-                "run_id": rid,
-                "token": held.ticket.token,
-                "outcome": outcome,
-                "exit_code": code,
-                "credits": max(0, free),
-            },
+            self._finished_args(rid, held),
+            lambda answer: self._finished_answered(rid, answer),
         )
-        if done:
-            self.held.pop(rid, None)
+        if not held.reporting:
+            self.nursery.start_soon(self._report_finished, rid)
+
+    def _finished_answered(self, rid: str, answer: Any) -> None:
+        held = self.held.get(rid)
+        if held is None:
+            return
+        held.reporting = False
+        if isinstance(answer, ConnectionLost):
+            return  # the hello after the reconnect reports it again
+        if isinstance(answer, RemoteError):
+            if answer.code == "not_a_worker":  # the node forgot us: hello, which reports it
+                self.nursery.start_soon(self._hello)
+                return
+            log.warning("worker.finished refused: %s", answer)  # final: not wanted again
+        self.held.pop(rid, None)
+        self.acknowledged(rid)
+
+    def acknowledged(self, rid: str) -> None:
+        """Called once the node has a run's final report (a hook for subclasses)."""
+
+    async def _report_finished(self, rid: str) -> None:
+        """The final report by a task that retries until the node has it."""
+        held = self.held.get(rid)
+        if held is None or held.outcome is None or held.reporting:
+            return
+        held.reporting = True
+        try:
+            done = await self._report("worker.finished", self._finished_args(rid, held))
+        finally:
+            held.reporting = False
+        if done and self.held.pop(rid, None) is not None:
+            self.acknowledged(rid)
 
     async def _send_output(self, ticket: RunTicket, stream: str, data: bytes) -> None:
         await self._report(
