@@ -87,6 +87,8 @@ YIELD_EVERY = 64
 #: most commands in one engine call: bounds a turn's length (and so the wait of a fire or a
 #: dispatch behind it) while keeping batches large
 TURN_COMMANDS = 512
+#: runs out with workers whose shard the node remembers (beyond: computed from the run id)
+MAX_REMEMBERED_RUNS = 1_000_000
 #: a shard's log tail (records) after which the shard stores a snapshot
 SNAPSHOT_EVERY_RECORDS = 500_000
 
@@ -657,6 +659,8 @@ class Node:
         self.max_frame = max_frame
         self.hosts: list[ShardHost] = []
         self.workers: dict[str, WorkerSession] = {}
+        # run id -> shard, for runs out with workers (until their final report)
+        self.run_shards: dict[str, int] = {}
         self.nursery: trio.Nursery
         self.shards = 0
         self.epoch = 0
@@ -759,10 +763,13 @@ class Node:
         if session is None:
             return  # gone: its lease lapses in the engine, which decides what follows
         t = effect.run
+        if len(self.run_shards) >= MAX_REMEMBERED_RUNS:
+            self.run_shards.clear()  # runs whose final report never came: a cache, not a record
+        self.run_shards[t.run_id] = shard
         session.conn.send(
-            push(
-                "dispatch",
-                run={
+            {  # push("dispatch", run=...), built at once: one a run
+                "push": "dispatch",
+                "run": {
                     "run_id": t.run_id,
                     "job_id": t.job_id,
                     "scheduled_ms": t.scheduled_ms,
@@ -775,7 +782,7 @@ class Node:
                     "on_timeout": t.on_timeout,
                     "task": t.task,
                 },
-            )
+            }
         )
         # The shard that dispatched counted the credit; the others learn the new free count
         # (at their next turn, once however many dispatches happen meanwhile).
@@ -1048,16 +1055,14 @@ class Node:
         session = conn.worker
         assert session is not None
         rid = args["run_id"]
-        self.hosts[shard_of_run(rid, self.shards)].tell(
-            ReportStarted(session.worker_id, rid, args["token"])
-        )
+        self._host_of_run(rid).tell(ReportStarted(session.worker_id, rid, args["token"]))
         return {}
 
     def _finished(self, conn: Connection, args: dict[str, Any]) -> Any:
         session = conn.worker
         assert session is not None
         rid = args["run_id"]
-        self.hosts[shard_of_run(rid, self.shards)].tell(
+        self._host_of_run(rid, final=True).tell(
             ReportFinished(
                 session.worker_id, rid, args["token"], args["outcome"], args.get("exit_code")
             )
@@ -1065,6 +1070,15 @@ class Node:
         if "credits" in args:  # the worker's free slots after this run: a pull in the report
             self._pull(conn, {"credits": args["credits"]})
         return {}
+
+    def _host_of_run(self, rid: str, *, final: bool = False) -> ShardHost:
+        """The shard of a run a worker reports on: known from its dispatch (no parse of the
+        run id and hash of the job id per report), else computed (a run dispatched before a
+        restart, or a malformed id, which the engine then refuses)."""
+        shard = self.run_shards.pop(rid, None) if final else self.run_shards.get(rid)
+        if shard is None:
+            shard = shard_of_run(rid, self.shards)
+        return self.hosts[shard]
 
     def _output(self, conn: Connection, args: dict[str, Any]) -> Any:
         stream = args["stream"]
