@@ -238,6 +238,9 @@ class _Run:
     #: recovered PENDING at-least-once: a claim of this attempt may have left before the
     #: crash without its record becoming durable, so the next claim is a new attempt
     maybe_sent: bool = False
+    #: the batch its fire record is in, while that batch may not be durable yet: a claim in
+    #: the meantime holds its dispatch until the claim's own batch is durable (0: durable)
+    fired_batch: int = 0
 
     @property
     def ref(self) -> RunRef:
@@ -1195,7 +1198,7 @@ class ShardEngine:
         wall, misfire = self._wall, self.config.misfire_ms
         flags, profs, ver = self._flags, self._prof, self._ver
         profiles, active, runs = self._profiles, self._active, self._runs
-        ready = self._ready_after_durable
+        fresh: list[_Run] = []
         for due, key in fired:
             pid = profs[key]
             profile = profiles[pid]
@@ -1210,7 +1213,8 @@ class ShardEngine:
             schedule = profile.schedule
             nxt = schedule.next_after(due) if schedule is not None else None
             version = ver[key]
-            runs[ref] = _Run(key, due, version, pid, profile.policy)
+            run = runs[ref] = _Run(key, due, version, pid, profile.policy)
+            fresh.append(run)
             times = active.get(key)
             if times is None:
                 active[key] = due
@@ -1222,7 +1226,6 @@ class ShardEngine:
                 flags[key] &= ~_LATE_PAUSED
             if nxt is not None:
                 wheel.schedule(key, nxt)
-            ready.append(ref)
             keys.append(key)
             ats.append(due)
             vers.append(version)
@@ -1239,6 +1242,14 @@ class ShardEngine:
                     "next": nexts,
                 }
             )
+            # Ready at once: a claim made before this batch is durable goes into a later
+            # batch of the same call or after, and its dispatch waits for that batch (see
+            # _claim), so a run is never sent before its fire and its claim are durable, and
+            # a fire and its claim usually share one batch: one fsync on the way out, not two.
+            batch = self._batch + 1
+            for run in fresh:
+                run.fired_batch = batch
+                self._enqueue(run)
 
     def _fire_job(self, key: int, due: int) -> None:
         """Fire one job due at ``due``: late (the catch-up policy decides), or with runs of
@@ -1633,8 +1644,12 @@ class ShardEngine:
             task=spec["task"],
             on_timeout=policy.on_timeout,
         )
-        if policy.delivery == "at_most_once" and "claim-after-fire" not in self.config.mutants:
-            self._after_durable.append(Dispatch(worker.worker_id, ticket))  # claim first
+        if "claim-after-fire" in self.config.mutants:
+            self._out.append(Dispatch(worker.worker_id, ticket))  # the guard switched off
+        elif policy.delivery == "at_most_once" or run.fired_batch > self._durable:
+            # At-most-once: the claim first. Either mode: a run whose fire is not durable yet
+            # waits with it (a crash would forget the run, and its attempt number with it).
+            self._after_durable.append(Dispatch(worker.worker_id, ticket))
         else:
             self._out.append(Dispatch(worker.worker_id, ticket))
 

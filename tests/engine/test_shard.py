@@ -129,19 +129,33 @@ def test_pending_run_is_not_handed_out_before_its_fire_batch_is_durable() -> Non
     assert [t.run_id for t in node.tickets()] == [f"x@{T0 + 1000}"]
 
 
-def test_at_least_once_goes_out_at_claim_and_the_claim_follows() -> None:
+def test_a_fire_and_its_claim_share_a_batch_and_the_run_waits_for_it() -> None:
+    # A worker is waiting: the run is claimed in the call that fires it, its claim in the
+    # fire's batch, and it goes out (either mode) once that one batch is durable.
+    for delivery in ("at_least_once", "at_most_once"):
+        node = Node(auto_durable=False)
+        worker(node)
+        once(node, delivery, delivery=delivery)
+        node.flush()
+        node.advance(1000)
+        batch = node.unacked[-1]
+        kinds = [(r["t"], r.get("state")) for r in batch.records]
+        assert kinds == [("fire", None), ("run", "CLAIMED")], kinds
+        assert node.tickets() == []  # the fire is not durable yet: a crash would forget it
+        node.flush(batch.batch_id)
+        (ticket,) = node.tickets()
+        assert ticket.token == batch.records[1]["tok"] and ticket.attempt == 1
+
+
+def test_at_least_once_goes_out_at_claim_when_its_fire_is_durable() -> None:
     node = Node(auto_durable=False)
-    worker(node)
     once(node, "alo")
     node.flush()
-    node.advance(1000)
-    fire_batch = node.unacked[-1].batch_id
-    node.absorb(
-        node.engine.handle(
-            __import__("engine.effects").effects.Durable(fire_batch), node.wall, node.mono
-        )
-    )
-    # Dispatched in the same call as the claim record, before that record is durable.
+    node.advance(1000)  # fired with no worker: PENDING
+    node.flush()
+    worker(node)
+    # Claimed when the worker says hello, and sent in that call, before the claim is durable
+    # (at-least-once: the claim follows in the next batch).
     assert len(node.tickets()) == 1
     claim = node.unacked[-1].records[0]
     assert claim["state"] == "CLAIMED" and claim["tok"] == node.tickets()[0].token
@@ -149,11 +163,11 @@ def test_at_least_once_goes_out_at_claim_and_the_claim_follows() -> None:
 
 def test_at_most_once_claim_is_durable_before_the_run_is_sent() -> None:
     node = Node(auto_durable=False)
-    worker(node)
     once(node, "amo", delivery="at_most_once")
     node.flush()
     node.advance(1000)
-    node.flush(node.unacked[0].batch_id)  # the fire batch: the run is ready and claimed
+    node.flush()  # the fire is durable, the run PENDING
+    worker(node)
     assert node.tickets() == []
     assert node.unacked and node.unacked[-1].records[0]["state"] == "CLAIMED"
     node.flush()
@@ -401,17 +415,34 @@ def test_restart_reattach_keeps_runs_and_grace_decides_the_rest() -> None:
 
 def test_crash_before_the_at_most_once_claim_is_durable_sends_it_once_after() -> None:
     node = Node(auto_durable=False)
-    worker(node)
     once(node, "amo", delivery="at_most_once")
     node.flush()
     node.advance(1000)
-    node.flush(node.unacked[0].batch_id)  # fire durable; claim made but not durable
+    node.flush()  # fire durable, no worker yet
+    worker(node)  # claim made but not durable
     assert node.tickets() == []
     node.crash_and_recover()
     node.auto_durable = True
     node.flush()
     worker(node, "w2")
     assert [t.job_id for t in node.tickets()] == ["amo"]
+
+
+def test_crash_before_a_fire_and_claim_batch_is_durable_fires_it_again_once() -> None:
+    for delivery in ("at_least_once", "at_most_once"):
+        node = Node(auto_durable=False)
+        worker(node)
+        once(node, delivery, delivery=delivery)
+        node.flush()
+        node.advance(1000)  # fired and claimed in one batch, not durable
+        assert node.tickets() == []
+        node.crash_and_recover()  # the fire is forgotten: the job still owes that time
+        node.auto_durable = True
+        node.flush()
+        worker(node, "w2")
+        node.advance(10)
+        (ticket,) = node.tickets()
+        assert (ticket.job_id, ticket.attempt) == (delivery, 1)  # nothing went out before
 
 
 def test_recovery_reproduces_the_durable_state() -> None:
@@ -540,16 +571,16 @@ def test_effects_are_typed_values() -> None:
 # ------------------------------------------------------------------------ regressions found in review
 
 
-def test_held_at_most_once_dispatch_is_dropped_when_its_run_is_cancelled() -> None:
-    node = Node(auto_durable=False)
-    worker(node)
-    once(node, "amo", delivery="at_most_once")
-    node.flush()
-    node.advance(1000)
-    node.flush(node.unacked[0].batch_id)  # fire durable; the claim is not yet
-    node.do(CancelJob(node.request(), "amo", stop_running=True))
-    node.flush()
-    assert node.tickets() == []
+def test_held_dispatch_is_dropped_when_its_run_is_cancelled() -> None:
+    for delivery in ("at_least_once", "at_most_once"):
+        node = Node(auto_durable=False)
+        worker(node)
+        once(node, "j", delivery=delivery)
+        node.flush()
+        node.advance(1000)  # fired and claimed; the batch is not durable, the run held
+        node.do(CancelJob(node.request(), "j", stop_running=True))
+        node.flush()
+        assert node.tickets() == [], delivery
 
 
 def test_many_small_forward_wall_steps_do_not_add_up() -> None:
@@ -782,9 +813,9 @@ def test_a_lost_at_least_once_claim_goes_out_again_as_a_new_attempt() -> None:
     node = Node(auto_durable=False)
     once(node, "alo")
     node.flush()
-    worker(node, credits=1)
     node.advance(1000)
-    node.flush(upto=node.unacked[-1].batch_id)  # the PENDING run is durable: it goes out,
+    node.flush()  # the PENDING run is durable
+    worker(node, credits=1)  # it goes out at its claim,
     (first,) = node.tickets()  # its claim recorded in the next batch
     assert first.attempt == 1 and node.unacked  # the claim record is not durable yet
     node.crash_and_recover()
