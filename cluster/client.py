@@ -312,17 +312,31 @@ class Client:
             )
         return request_id, frame
 
-    def notify(self, op: str, args: dict[str, Any]) -> bool:
+    def notify(self, op: str, args: dict[str, Any]) -> bytes | None:
         """Send ``op`` without waiting for (or reading) its reply: for a report whose answer
-        changes nothing for the sender. False when there is no connection right now (nothing
-        was sent); a connection that breaks later may lose it too. Raises
-        :class:`ClientError` for a request that cannot be encoded."""
+        changes nothing for the sender. Returns the frame queued (for :meth:`withdraw`), or
+        None when there is no connection right now (nothing was sent); a connection that
+        breaks later may lose it too. Raises :class:`ClientError` for a request that cannot
+        be encoded."""
         outbox = self._outbox
         if outbox is None or not self._connected.is_set():
-            return False
+            return None
         _request_id, frame = self._frame(op, args)
         outbox.put(frame)  # its reply is dropped by the reader: no one waits for that id
-        return True
+        return frame
+
+    def withdraw(self, frame: bytes) -> bool:
+        """Take back a frame :meth:`notify` queued, if it has not been handed to the socket
+        yet; True when it never will be."""
+        outbox = self._outbox
+        if outbox is None:
+            return False
+        frames = outbox.frames
+        for i in range(len(frames) - 1, -1, -1):  # a recent frame: look from the end
+            if frames[i] is frame:
+                del frames[i]
+                return True
+        return False
 
     def send_then(
         self, op: str, args: dict[str, Any], on_answer: Callable[[Any | ClientError], None]

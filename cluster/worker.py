@@ -2,8 +2,9 @@
 
 Owns one worker's side of the protocol: ``worker.hello`` with its tiers, free slots and the runs
 it still holds (again after every reconnect, so a restarted node re-attaches them), credits
-(``worker.pull`` whenever a slot frees), heartbeats, reports (started, output chunks, finished)
-that are retried until the node has them, kills the node asks for, and self-fencing: a worker
+(riding on each final report), heartbeats, reports (output chunks and the final report,
+retried until the node has them; the start report, sent without waiting for its answer, which
+carries nothing the worker needs), kills the node asks for, and self-fencing: a worker
 that has not had a heartbeat acknowledged for longer than its lease minus a margin kills its
 tasks, since the node will treat them as lost or hand them out again (DESIGN.md, "Workers fence
 themselves"). Tasks run through :mod:`cluster.runner`; ``payload`` tasks go to a handler given
@@ -208,7 +209,7 @@ class WorkerAgent:
         # not wait a round trip to begin. It leaves before any later report of the run (one
         # connection, in order); lost with a broken connection, the run is still announced
         # as held by the hello after the reconnect, and its final report is retried.
-        self.client.notify("worker.started", {"run_id": rid, "token": ticket.token})
+        started = self.client.notify("worker.started", {"run_id": rid, "token": ticket.token})
         try:
             if "payload" in ticket.task:
                 if self.payload_handler is None:
@@ -231,6 +232,11 @@ class WorkerAgent:
         except TaskNotRunnable as exc:
             await on_output("stderr", f"tickwheel: {exc}\n".encode())
             outcome, code = "failed", None
+        if started is not None:
+            # A task that ended before its start report left (an instant payload handler):
+            # the final report alone says it all (CLAIMED -> final is a transition of its
+            # own), one report, engine command and record per run fewer.
+            self.client.withdraw(started)
         held.outcome = (outcome, code)
         self.running -= 1
         self.completed += 1
