@@ -1150,8 +1150,9 @@ _SECOND_TEXT: dict[int, str] = {}  # whole seconds -> format_utc's text for them
 
 
 def _format_utc(ms: int) -> str:
-    """:func:`format_utc` (same text) for the reply of every create: ``strftime`` costs ~8 us,
-    about a tenth of the node's work for a create, and replies name few distinct seconds."""
+    """:func:`format_utc` (same text) for replies (every create, every run read back):
+    ``strftime`` costs ~8 us, a tenth of the node's work for a create, and replies name few
+    distinct seconds."""
     second, milli = divmod(ms, 1000)
     text = _SECOND_TEXT.get(second)
     if text is None:
@@ -1181,7 +1182,7 @@ def _run_result(job_id: str, r: dict[str, Any]) -> dict[str, Any]:
         "job_id": job_id,
         "state": r["state"],
         "scheduled_ms": r["at"],
-        "scheduled_at": format_utc(r["at"]),
+        "scheduled_at": _format_utc(r["at"]),
         "attempt": r["att"],
         "token": r["tok"],
         "worker": r["w"],
