@@ -659,6 +659,16 @@ def _parse_policy_cached(spec: Mapping[str, object]) -> Policy:
     return policy
 
 
+def stored_policy(spec: Mapping[str, object]) -> tuple[Policy, tuple[str, ...]]:
+    """The policy and ``after`` of a stored spec (one :meth:`JobSpec.to_dict` wrote, so
+    valid): what a replay needs, without walking the task, labels and schedule again.
+    Raises :class:`JobSpecError` if the policy fields are not valid after all."""
+    after = spec.get("after", ())
+    if not isinstance(after, list | tuple):
+        raise JobSpecError(f"must be a list of job ids, got {_kind(after)}", field="after")
+    return _parse_policy_cached(spec), tuple(str(a) for a in after)
+
+
 def parse_policy(spec: object) -> Policy:
     """Validate an object of policy keys only (:data:`POLICY_KEYS`; each optional).
 

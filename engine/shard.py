@@ -84,7 +84,14 @@ from engine.errors import (
     StaleEpoch,
     TimeWentBackwards,
 )
-from engine.jobs import JobSpec, Policy, parse_policy, retry_delay_ms, validate_job
+from engine.jobs import (
+    JobSpec,
+    Policy,
+    parse_policy,
+    retry_delay_ms,
+    stored_policy,
+    validate_job,
+)
 from engine.records import ACCT_EXHAUSTED, Record
 from engine.runs import (
     FINAL_VALUES,
@@ -151,12 +158,8 @@ class EngineConfig:
             )
 
 
-#: Stored spec fields no profile depends on (``schedule`` is keyed on its own).
-_NOT_PROFILE: Final = frozenset({"id", "task", "labels", "schedule", "paused", "replace"})
-
-#: What replays parsed, by content (see ``ShardEngine._stored_profile``): pure functions of
-#: the stored text, so shared by every engine of the process, and bounded.
-_REPLAY_POLICIES: dict[str, tuple[Policy, tuple[str, ...]]] = {}
+#: Schedules replays parsed, by content (see ``ShardEngine._stored_profile``): pure
+#: functions of the stored text, so shared by every engine of the process, and bounded.
 _REPLAY_SCHEDULES: dict[tuple[str, Any], Schedule] = {}
 _REPLAY_CACHE_LIMIT: Final = 4096
 
@@ -901,18 +904,13 @@ class ShardEngine:
     def _stored_profile(self, spec: Mapping[str, Any]) -> int:
         """The interned profile of a stored (validated, normalized) spec.
 
-        Validating a whole spec costs ~100 us and a replay meets thousands, so the parts are
-        kept by content: the policy and ``after`` per every field but the id, task, labels
-        and schedule (the first spec with them is validated in full); the schedule per its
-        own fields (and the id, when its jitter depends on it). An ``at`` schedule is not
-        parsed at all: a one-shot's profile holds no schedule.
+        Validating a whole spec costs ~100 us and a replay meets thousands, so only what a
+        profile holds is parsed: the policy (kept per distinct raw values by
+        :func:`~engine.jobs.stored_policy`), ``after``, and the schedule, kept by its text
+        (and the id, when its jitter depends on it). An ``at`` schedule is not parsed at all:
+        a one-shot's profile holds no schedule.
         """
-        policy_key = repr([(k, v) for k, v in spec.items() if k not in _NOT_PROFILE])
-        kept = _REPLAY_POLICIES.get(policy_key)
-        if kept is None:
-            full = validate_job(spec, now_ms=self._wall)
-            kept = _remember(_REPLAY_POLICIES, policy_key, (full.policy, full.after))
-        policy, after = kept
+        policy, after = stored_policy(spec)
         raw = spec.get("schedule")
         if isinstance(raw, Mapping) and "at" in raw:
             return self._intern(_Profile(None, policy, after, None))

@@ -31,6 +31,7 @@ from engine.jobs import (
     new_job_id,
     parse_policy,
     retry_delay_ms,
+    stored_policy,
     validate_job,
     validate_job_id,
 )
@@ -839,6 +840,9 @@ def test_property_round_trip(raw: dict[str, Any], now: int, later: int) -> None:
     table = PolicyTable()
     pid = table.intern(s.policy)
     assert PolicyTable.from_list(table.to_list()).get(pid) == s.policy
+    # What a replay reads back of the stored form (the policy kept by raw values).
+    assert stored_policy(d) == (s.policy, s.after)
+    assert stored_policy(wire) == (s.policy, s.after)
 
 
 junk_leaves = st.one_of(
