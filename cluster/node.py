@@ -374,22 +374,20 @@ class ShardHost:
                 return
             assert ticket.seq is not None
             batch_seq[ticket.batch_id] = ticket.seq
-        # The engine releases everything held up to this batch: one command for the group,
-        # worked through at once (replies leave now, not after another pass of Trio's loop).
-        self.tell(Durable(tickets[-1].batch_id))
-        if self.failed is None:
-            self.turn()
-            wakeup = self.wakeup
-            if wakeup is not None:
-                wake = self.engine.next_wakeup_mono()
-                if (
-                    self.pending
-                    or self.credits_changed
-                    or (wake is not None and wake < self.sleeps_until)
-                ):
-                    # The sleeping loop's deadline is stale (or there is more to do).
-                    self.wakeup = None
-                    wakeup.set()
+        if self.failed is not None:
+            return
+        # The engine releases everything held up to this batch: one command for the group.
+        self.pending.append(Durable(tickets[-1].batch_id))
+        wakeup = self.wakeup
+        if wakeup is None:
+            return  # the loop is awake or about to run: one turn takes this with the rest
+        # The loop sleeps: the turn runs at once (replies leave now, not after another pass
+        # of Trio's loop), and the loop wakes only if its deadline went stale meanwhile.
+        self.turn()
+        wake = self.engine.next_wakeup_mono()
+        if self.pending or self.credits_changed or (wake is not None and wake < self.sleeps_until):
+            self.wakeup = None
+            wakeup.set()
 
     def _fail(self, exc: StoreError) -> None:
         """A store failure stops the shard: nothing more is acknowledged."""
