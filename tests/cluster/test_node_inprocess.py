@@ -157,3 +157,52 @@ def test_retention_keeps_the_newest_runs_of_a_job(tmp_path: Path) -> None:
         retention=Retention(max_age_ms=None, max_runs_per_job=3),
         retain_every_s=0.2,
     )
+
+
+def test_client_answers_by_callback_and_takes_back_unsent_notifications(tmp_path: Path) -> None:
+    async def body(client: Client, port: int) -> None:
+        answers: list[Any] = []
+        assert client.send_then("ping", {}, answers.append)
+        assert client.send_then("job.get", {"id": "nope"}, answers.append)
+        while len(answers) < 2:
+            await trio.sleep(0.01)
+        assert answers[0]["shards"] == 2
+        assert isinstance(answers[1], RemoteError) and answers[1].code == "not_found"
+
+        # Queued and not yet handed to the socket (no checkpoint since): it can be taken back.
+        frame = client.notify("ping", {})
+        assert frame is not None and client.withdraw(frame)
+        # Once the writer has sent it, it cannot.
+        frame = client.notify("ping", {})
+        assert frame is not None
+        await trio.sleep(0.05)
+        assert not client.withdraw(frame)
+        assert (await client.request("ping"))["shards"] == 2  # the connection is unharmed
+
+    run_with_node(tmp_path, body)
+
+
+def test_an_instant_payload_run_goes_from_claimed_to_success(tmp_path: Path) -> None:
+    """The start report of a task that ended before it left is taken back: the final report
+    alone finishes the run (CLAIMED -> SUCCESS is a transition of its own)."""
+
+    async def instant(ticket: RunTicket, out: Callable[[str, bytes], Awaitable[None]]) -> int:
+        return 0
+
+    async def body(client: Client, port: int) -> None:
+        agent = WorkerAgent("127.0.0.1", port, worker_id="w-instant", payload_handler=instant)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(agent.run)
+            for n in range(5):
+                await client.create(
+                    {"id": f"now-{n}", "schedule": soon(0.2), "task": {"payload": n}}
+                )
+            for n in range(5):
+                runs = await settle(client, f"now-{n}")
+                assert [r["state"] for r in runs] == ["SUCCESS"]
+            while agent.held:  # every final report acknowledged
+                await trio.sleep(0.01)
+            assert agent.running == 0 and agent.completed == 5
+            nursery.cancel_scope.cancel()
+
+    run_with_node(tmp_path, body)
