@@ -180,13 +180,22 @@ def parse_instant(text: object, *, field: str) -> int:
     return (delta.days * 86_400 + delta.seconds) * 1000 + delta.microseconds // 1000
 
 
+#: format_utc's text per whole second: strftime costs ~8 us, and a node formats the same few
+#: seconds over and over (fire times, replies, stored specs). Bounded; a cache, not an LRU.
+_UTC_TEXT: dict[int, str] = {}
+_UTC_TEXT_LIMIT: Final = 65_536
+
+
 def format_utc(ms: int) -> str:
     """ISO 8601 in UTC with a ``Z``: ``2026-03-29T01:00:00Z``, milliseconds only when nonzero."""
-    dt = _EPOCH + timedelta(milliseconds=ms)
-    text = dt.strftime("%Y-%m-%dT%H:%M:%S")
-    if ms % 1000:
-        text += f".{ms % 1000:03d}"
-    return text + "Z"
+    seconds, milli = divmod(ms, 1000)
+    text = _UTC_TEXT.get(seconds)
+    if text is None:
+        text = (_EPOCH + timedelta(seconds=seconds)).strftime("%Y-%m-%dT%H:%M:%S")
+        if len(_UTC_TEXT) >= _UTC_TEXT_LIMIT:
+            _UTC_TEXT.clear()
+        _UTC_TEXT[seconds] = text
+    return f"{text}.{milli:03d}Z" if milli else text + "Z"
 
 
 def _format_offset(offset: timedelta | None) -> str:

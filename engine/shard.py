@@ -1416,6 +1416,8 @@ class ShardEngine:
 
     def _send_registrations(self, job_id: str, old: tuple[str, ...], new: tuple[str, ...]) -> None:
         """Tell the shards of the jobs ``job_id`` runs after: added ones, and dropped ones."""
+        if not old and not new:
+            return  # nearly every job: no dependencies, no sets to build
         for up in sorted(set(new) - set(old)):
             self._send(rec.make("out", seq=0, job=job_id, src=None, dep={"up": up, "on": True}))
         for up in sorted(set(old) - set(new)):

@@ -782,3 +782,17 @@ def test_next_after_matches_brute_force_reference(
         t = nxt
     assert got == expected
     assert [f.at_ms for f in preview(spec, count, after).fires] == expected
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(-(10**13), 10**13))
+def test_format_utc_matches_datetime_cached_or_not(ms: int) -> None:
+    expected = (datetime(1970, 1, 1, tzinfo=UTC) + timedelta(milliseconds=ms)).strftime(
+        "%Y-%m-%dT%H:%M:%S"
+    )
+    if ms % 1000:
+        expected += f".{ms % 1000:03d}"
+    expected += "Z"
+    assert format_utc(ms) == expected
+    assert format_utc(ms) == expected  # the second answer comes from the per-second cache
+    assert format_utc(ms - ms % 1000) == expected[:19] + "Z"
