@@ -328,7 +328,14 @@ def serve(args: argparse.Namespace) -> int:
             err_console.print(f"[red]error[/red] {escape(str(exc))}")
             return 2
         config = EngineConfig(worker_lease_ms=lease, reattach_grace_ms=2 * lease)
-    node = Node(args.data, host=args.host, port=args.port, shards=args.shards, config=config)
+    node = Node(
+        args.data,
+        host=args.host,
+        port=args.port,
+        shards=args.shards,
+        config=config,
+        freeze_recovered=True,
+    )
     try:
         trio.run(node.run)
     except NodeError as exc:
