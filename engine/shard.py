@@ -196,11 +196,12 @@ class _Profile:
         # The jitter id is not part of it: equal schedules (jitter offset included) are equal.
         return (self.schedule, self.policy, self.after)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, policy: dict[str, object] | None = None) -> dict[str, Any]:
+        """The stored form; ``policy``, when given, is ``self.policy.to_dict()`` already made."""
         return {
             "schedule": None if self.schedule is None else self.schedule.to_spec(),
             "jitter_id": self.jitter_id,
-            "policy": self.policy.to_dict(),
+            "policy": self.policy.to_dict() if policy is None else policy,
             "after": list(self.after),
         }
 
@@ -297,9 +298,6 @@ class ShardEngine:
         self._flags = array("B")
         self._next_key = 0
         self._profiles: list[_Profile] = []
-        # _profiles[i].to_dict() for i below its length: profiles never change, and a
-        # snapshot renders all of them (one per ``every`` job: thousands, each time).
-        self._profile_rendered: list[dict[str, Any]] = []
         self._profile_ids: dict[tuple[Any, ...], int] = {}
         self._held_next: dict[int, int | None] = {}  # next fire of a paused job
         # key -> the times of its runs not final: one int for the usual single run (a set
@@ -722,11 +720,18 @@ class ShardEngine:
         return pid
 
     def _profile_dicts(self) -> list[dict[str, Any]]:
-        """Every profile's dict form, in order: the ones rendered before plus the new ones.
-        The dicts are shared with earlier snapshots, so nobody may change them."""
-        rendered, profiles = self._profile_rendered, self._profiles
-        rendered.extend(p.to_dict() for p in profiles[len(rendered) :])
-        return list(rendered)
+        """Every profile's dict form, in order, for a snapshot. Profiles sharing a policy share
+        its dict (a shard has few policies but, with ``every`` jobs, thousands of profiles:
+        rendering each policy again was most of an export). Kept for this export only, so a
+        snapshot costs no memory after it; nobody may change the dicts."""
+        policies: dict[Policy, dict[str, object]] = {}
+        out: list[dict[str, Any]] = []
+        for profile in self._profiles:
+            policy = policies.get(profile.policy)
+            if policy is None:
+                policy = policies[profile.policy] = profile.policy.to_dict()
+            out.append(profile.to_dict(policy))
+        return out
 
     def _profile(self, key: int) -> _Profile:
         return self._profiles[self._prof[key]]
@@ -1846,7 +1851,6 @@ class ShardEngine:
         if meta["epoch"] >= self.epoch:
             raise StaleEpoch(f"shard already opened at epoch {meta['epoch']} (>= {self.epoch})")
         self._profiles = [_Profile.from_dict(d) for d in meta["profiles"]]
-        self._profile_rendered = list(meta["profiles"])
         self._profile_ids = {p.identity(): i for i, p in enumerate(self._profiles)}
         n = int(meta["next_key"])
         ver = np.ascontiguousarray(arrays["ver"][:n], dtype=np.uint32)
