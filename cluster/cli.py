@@ -13,6 +13,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+from cluster import options
+
 # suite name -> (module, one-line description). Each module has
 # ``run(args: argparse.Namespace) -> bench.common.SuiteResult``.
 BENCH_SUITES: dict[str, tuple[str, str]] = {
@@ -24,16 +26,6 @@ BENCH_SUITES: dict[str, tuple[str, str]] = {
     "lateness": ("bench.lateness_suite", "how late runs fire at 1,000 fires per second"),
     "dispatch": ("bench.dispatch_suite", "payload runs executed end to end per second"),
 }
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text.replace("_", "").replace(",", ""))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,23 +43,26 @@ def build_parser() -> argparse.ArgumentParser:
         )
         p.add_argument(
             "--pending",
-            type=_positive_int,
+            type=options.positive_int,
             action="append",
             metavar="N",
             help="pending entries to measure at (repeatable; the suite has defaults)",
         )
         p.add_argument(
-            "--jobs", type=_positive_int, metavar="N", help="number of jobs (suites that use it)"
+            "--jobs",
+            type=options.positive_int,
+            metavar="N",
+            help="number of jobs (suites that use it)",
         )
-
-    from cluster import options
 
     serve = sub.add_parser("serve", help="run a node on a data directory (embedded default)")
     serve.add_argument("--data", required=True, metavar="DIR", help="the data directory")
     serve.add_argument("--port", type=int, default=7070, help="TCP port (0: any free port)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument(
-        "--shards", type=_positive_int, help="shard count of a new data directory (default 2)"
+        "--shards",
+        type=options.positive_int,
+        help="shard count of a new data directory (default 2)",
     )
     serve.add_argument(
         "--worker-lease",
@@ -82,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="HOST:PORT",
     )
     worker.add_argument("--tier", action="append", metavar="NAME", help="repeatable")
-    worker.add_argument("--slots", type=_positive_int, default=4, help="tasks at once")
+    worker.add_argument("--slots", type=options.positive_int, default=4, help="tasks at once")
     worker.add_argument("--id", help="worker id (default host-pid)")
     worker.add_argument("--runtime", choices=["docker", "podman"], help="container runtime")
 
@@ -103,14 +98,14 @@ def build_parser() -> argparse.ArgumentParser:
         if action == "cancel":
             p.add_argument("--stop-running", action="store_true", help="also stop its runs")
         if action == "preview":
-            p.add_argument("--count", type=_positive_int, default=5)
+            p.add_argument("--count", type=options.positive_int, default=5)
 
     jobs = sub.add_parser("jobs", help="list jobs")
     options.add_connect(jobs)
 
     runs = sub.add_parser("runs", help="run history of jobs")
     runs.add_argument("job_ids", nargs="+", metavar="JOB_ID")
-    runs.add_argument("--last", type=_positive_int, default=20)
+    runs.add_argument("--last", type=options.positive_int, default=20)
     options.add_connect(runs)
 
     run = sub.add_parser("run", help="one run's status")

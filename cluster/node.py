@@ -1147,26 +1147,10 @@ def _job_result(described: dict[str, Any]) -> dict[str, Any]:
         "job_id": described["id"],
         "version": described.get("version"),
         "next_fire_ms": nxt,
-        "next_fire": None if nxt is None else _format_utc(nxt),
+        "next_fire": None if nxt is None else format_utc(nxt),
         "paused": described.get("paused"),
         "active_runs": described.get("active_runs", []),
     }
-
-
-_SECOND_TEXT: dict[int, str] = {}  # whole seconds -> format_utc's text for them
-
-
-def _format_utc(ms: int) -> str:
-    """:func:`format_utc` (same text) for replies (every create, every run read back):
-    ``strftime`` costs ~8 us, a tenth of the node's work for a create, and replies name few
-    distinct seconds."""
-    second, milli = divmod(ms, 1000)
-    text = _SECOND_TEXT.get(second)
-    if text is None:
-        if len(_SECOND_TEXT) >= 4096:
-            _SECOND_TEXT.clear()
-        text = _SECOND_TEXT[second] = format_utc(second * 1000)[:-1]  # without the "Z"
-    return f"{text}.{milli:03d}Z" if milli else text + "Z"
 
 
 def _stored_job(job: Any) -> dict[str, Any]:
@@ -1189,7 +1173,7 @@ def _run_result(job_id: str, r: dict[str, Any]) -> dict[str, Any]:
         "job_id": job_id,
         "state": r["state"],
         "scheduled_ms": r["at"],
-        "scheduled_at": _format_utc(r["at"]),
+        "scheduled_at": format_utc(r["at"]),
         "attempt": r["att"],
         "token": r["tok"],
         "worker": r["w"],

@@ -11,6 +11,17 @@ import argparse
 import os
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: a positive integer, ``_`` and ``,`` allowed as separators."""
+    try:
+        value = int(text.replace("_", "").replace(",", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
+    return value
+
+
 def add_connect(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--connect",

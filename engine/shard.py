@@ -41,7 +41,7 @@ from array import array
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Final, TypeVar
+from typing import Any, Final
 
 import numpy as np
 
@@ -159,18 +159,10 @@ class EngineConfig:
 
 
 #: Schedules replays parsed, by content (see ``ShardEngine._stored_profile``): pure
-#: functions of the stored text, so shared by every engine of the process, and bounded.
+#: functions of the stored text, so shared by every engine of the process; a bound (cleared
+#: when full), not an LRU.
 _REPLAY_SCHEDULES: dict[tuple[str, Any], Schedule] = {}
 _REPLAY_CACHE_LIMIT: Final = 4096
-
-_V = TypeVar("_V")
-
-
-def _remember(cache: dict[Any, _V], key: Any, value: _V) -> _V:
-    if len(cache) >= _REPLAY_CACHE_LIMIT:
-        cache.clear()  # a bound, not an LRU: replays meet few distinct policies
-    cache[key] = value
-    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -888,7 +880,7 @@ class ShardEngine:
 
     def _apply_job(self, r: Record, recovering: bool) -> None:
         key = r["key"]
-        # Live, the validated spec is at hand; recovery validates the stored form again.
+        # Live, the validated spec is at hand; a replay parses only what a profile holds.
         if self._live_spec is not None:
             pid = self._intern(_Profile.of(self._live_spec))
         else:
@@ -924,8 +916,10 @@ class ShardEngine:
         schedule_key = (repr(raw), jitter_id)
         schedule = _REPLAY_SCHEDULES.get(schedule_key)
         if schedule is None:
-            parsed = parse_schedule(raw, created_ms=self._wall, job_id=job_id)
-            schedule = _remember(_REPLAY_SCHEDULES, schedule_key, parsed)
+            schedule = parse_schedule(raw, created_ms=self._wall, job_id=job_id)
+            if len(_REPLAY_SCHEDULES) >= _REPLAY_CACHE_LIMIT:
+                _REPLAY_SCHEDULES.clear()
+            _REPLAY_SCHEDULES[schedule_key] = schedule
         return self._intern(
             _Profile(schedule, policy, after, job_id if schedule.jitter_ms else None)
         )

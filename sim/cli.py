@@ -14,17 +14,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from cluster.options import positive_int
 from sim.names import FAULTS, MUTANTS
-
-
-def _count(text: str) -> int:
-    try:
-        value = int(text.replace("_", "").replace(",", ""))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
-    return value
 
 
 def _hours(text: str) -> float:
@@ -52,11 +43,13 @@ def _faults(text: str) -> frozenset[str]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=1, metavar="S", help="first seed (default 1)")
     parser.add_argument(
-        "--seeds", type=_count, default=1, metavar="N", help="run seeds S..S+N-1 (default 1)"
+        "--seeds", type=positive_int, default=1, metavar="N", help="run seeds S..S+N-1 (default 1)"
     )
-    parser.add_argument("--nodes", type=_count, default=3, metavar="N", help="default 3")
-    parser.add_argument("--workers", type=_count, default=6, metavar="N", help="default 6")
-    parser.add_argument("--jobs", type=_count, default=2_000, metavar="N", help="default 2,000")
+    parser.add_argument("--nodes", type=positive_int, default=3, metavar="N", help="default 3")
+    parser.add_argument("--workers", type=positive_int, default=6, metavar="N", help="default 6")
+    parser.add_argument(
+        "--jobs", type=positive_int, default=2_000, metavar="N", help="default 2,000"
+    )
     parser.add_argument(
         "--hours", type=_hours, default=2.0, metavar="H", help="simulated hours (default 2)"
     )

@@ -119,12 +119,7 @@ class ShardStore:
             self._make_durable(w, now)
             acks[(id(w.node), w.incarnation)] = (w, w.persist.batch_id)
         self._syncing = []
-        if self._pending:
-            self._sync()
-        elif self._waiters:
-            waiters, self._waiters = self._waiters, []
-            for fn in waiters:
-                fn()
+        self._next_group()
         # Acknowledged last, when the store is consistent again: a writer told now writes
         # more at once (into the next group), and must find no half-finished step.
         for w, batch_id in acks.values():
@@ -174,12 +169,17 @@ class ShardStore:
             # The group in flight changed: start over with what is left of it.
             self._syncing = []
             self._pending = syncing + self._pending
-            if self._pending:
-                self._sync()
-            elif self._waiters:
-                waiters, self._waiters = self._waiters, []
-                for fn in waiters:
-                    fn()
+            self._next_group()
+
+    def _next_group(self) -> None:
+        """Nothing is syncing: sync what waits, or, with nothing accepted left to settle, let
+        the openers waiting for that read."""
+        if self._pending:
+            self._sync()
+        elif self._waiters:
+            waiters, self._waiters = self._waiters, []
+            for fn in waiters:
+                fn()
 
     def write_snapshot(self, node: SimNode, epoch: int, batch_id: int, snap: Snapshot) -> bool:
         """Keep ``snap``, which reflects the writer's batches up to ``batch_id`` (durable), as

@@ -507,7 +507,7 @@ class SimNode:
         self._deliver(hs, effects, self.k.now)
 
     def _deliver(self, hs: _Hosted, effects: list[Effect], decided_at: int) -> None:
-        w, net, obs = self.w, self.w.net, self.w.observer
+        w, obs = self.w, self.w.observer
         wrote = dispatched = False
         for e in effects:
             kind = type(e)
@@ -521,46 +521,16 @@ class SimNode:
                 obs.acted(self, hs.shard, token_epoch(e.run.token), decided_at, "dispatch")
                 dispatched = True
                 self.k.trace("dispatch", self.name, e.worker_id, e.run.run_id, e.run.token)
-                worker = w.worker_by_name[e.worker_id]
-                winc = self._worker_inc.get(e.worker_id, 0)
-                net.send(
-                    self.name,
-                    worker.name,
-                    worker.receive,
-                    winc,
-                    worker.on_dispatch,
-                    hs.shard,
-                    e.run,
-                    on_reset=self._reset_of(worker, winc),
-                )
+                self._to_worker(e.worker_id, "on_dispatch", hs.shard, e.run)
             elif kind is Kill:
                 assert isinstance(e, Kill)
-                worker = w.worker_by_name[e.worker_id]
-                net.send(
-                    self.name,
-                    worker.name,
-                    worker.receive,
-                    self._worker_inc.get(worker.name, 0),
-                    worker.on_kill,
-                    e.run_id,
-                    e.token,
-                    on_reset=self._reset_of(worker, self._worker_inc.get(worker.name, 0)),
-                )
+                self._to_worker(e.worker_id, "on_kill", e.run_id, e.token)
             elif kind is Reply:
                 assert isinstance(e, Reply)
                 self._reply(hs, e)
             elif kind is Refused:
                 assert isinstance(e, Refused)
-                worker = w.worker_by_name[e.worker_id]
-                net.send(
-                    self.name,
-                    worker.name,
-                    worker.receive,
-                    self._worker_inc.get(worker.name, 0),
-                    worker.on_refused,
-                    hs.shard,
-                    on_reset=self._reset_of(worker, self._worker_inc.get(worker.name, 0)),
-                )
+                self._to_worker(e.worker_id, "on_refused", hs.shard)
             elif kind is Trigger or kind is Register:
                 assert isinstance(e, Trigger | Register)
                 hs.outbox[e.seq] = e
@@ -570,6 +540,21 @@ class SimNode:
                 self.k.trace("clock-jump", self.name, f"s{hs.shard}", e.wall_ms - e.engine_ms)
         if wrote and dispatched and self._crash_down is not None:
             self.crash(self._crash_down)  # with this step's writes and dispatches in flight
+
+    def _to_worker(self, worker_id: str, handler: str, *args: Any) -> None:
+        """Send ``worker.<handler>(*args)`` on the worker's connection (its incarnation the
+        one that last spoke to this node; a lost message breaks the connection)."""
+        worker = self.w.worker_by_name[worker_id]
+        incarnation = self._worker_inc.get(worker_id, 0)
+        self.w.net.send(
+            self.name,
+            worker.name,
+            worker.receive,
+            incarnation,
+            getattr(worker, handler),
+            *args,
+            on_reset=self._reset_of(worker, incarnation),
+        )
 
     def _reset_of(self, worker: SimWorker, incarnation: int) -> Callable[[], None]:
         """What a broken connection to ``worker`` tells it."""
