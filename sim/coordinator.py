@@ -13,7 +13,7 @@ the node's decisions are :class:`engine.lease.ShardLease`'s.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -69,6 +69,7 @@ class Coordinator:
         self.owner: list[_Lease | None] = [None] * shards
         self._leases: dict[int, _Lease] = {}
         self._next_lease = 0
+        self._expiry_at: int | None = None  # when the one expiry timer is due
         self.tenures: dict[tuple[int, int], Tenure] = {}
         self.watchers: list[tuple[str, Callable[[ShardView], None]]] = []
 
@@ -87,7 +88,7 @@ class Coordinator:
 
     # ---------------------------------------------------------------- requests
 
-    def requests(self, node: SimNode, incarnation: int, requests: tuple[Request, ...]) -> None:
+    def requests(self, node: SimNode, incarnation: int, requests: Sequence[Request]) -> None:
         """A node's requests arrived (one packet); the answers travel back in one packet."""
         responses = []
         for request in requests:
@@ -130,7 +131,7 @@ class Coordinator:
                 self.owner[shard], self.epoch[shard] = lease, epoch
                 self.tenures[(shard, epoch)] = Tenure(request.node, now)
                 self._k.trace("grant", f"s{shard}", f"e{epoch}", request.node)
-                self._k.later(request.ttl_ms, self._expire, lease.lease_id)
+                self._arm_expiry(lease.expiry)
                 self._notify(shard)
                 return Granted(request.req, shard, epoch, lease.lease_id, wall)
             return Denied(request.req, shard, self.owner_of(shard), self.epoch[shard], wall)
@@ -148,15 +149,27 @@ class Coordinator:
 
     # ---------------------------------------------------------------- expiry
 
-    def _expire(self, lease_id: int) -> None:
-        lease = self._leases.get(lease_id)
-        if lease is None:
-            return
+    def _arm_expiry(self, at: int) -> None:
+        """One timer for every lease, at the earliest expiry (a renewal only moves an expiry
+        later, so the timer is never late; when it finds nothing lapsed, it moves on to the
+        new earliest): one event per TTL or so instead of one per lease."""
+        if self._expiry_at is None or at < self._expiry_at:
+            self._expiry_at = at
+            self._k.later(at - self._k.now, self._expire, at)
+
+    def _expire(self, at: int) -> None:
+        if self._expiry_at != at:
+            return  # superseded by an earlier one
+        self._expiry_at = None
         now = self._k.now
-        if lease.expiry > now:
-            self._k.later(lease.expiry - now, self._expire, lease_id)
-            return
-        self._end(lease, "expired")
+        soonest: int | None = None
+        for lease in list(self._leases.values()):  # in grant order
+            if lease.expiry <= now:
+                self._end(lease, "expired")
+            elif soonest is None or lease.expiry < soonest:
+                soonest = lease.expiry
+        if soonest is not None:
+            self._arm_expiry(soonest)
 
     def _end(self, lease: _Lease, how: str) -> None:
         del self._leases[lease.lease_id]

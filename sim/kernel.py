@@ -76,12 +76,13 @@ class Kernel:
         # Every delay is an int, so SimPy's clock stays an int: no conversion needed.
         return self.env._now  # type: ignore[return-value]
 
-    def later(self, delay: int, fn: Callable[..., Any], *args: Any) -> None:
+    def later(self, delay: int, fn: Callable[..., Any], *args: Any) -> simpy.Event:
         """Call ``fn(*args)`` after ``delay`` ms (0: after what is already due now).
 
         The hot path of the whole simulation (one call per message and timer): a bare
         :class:`simpy.Event` carrying the call, scheduled like a ``Timeout`` (same queue,
-        same priority, so the order of equal times is still insertion order).
+        same priority, so the order of equal times is still insertion order). Returns the
+        event, for :meth:`cancel`.
         """
         event = _Call.__new__(_Call)
         event.env = self.env
@@ -89,6 +90,14 @@ class Kernel:
         event._value = (fn, args)
         event._ok = True
         self.env.schedule(event, NORMAL, delay if delay > 0 else 0)
+        return event
+
+    @staticmethod
+    def cancel(event: simpy.Event) -> None:
+        """The call of ``event`` (from :meth:`later`) is not made; the queue still holds the
+        event until its time (a cheap no-op then). Harmless once it ran."""
+        if event.callbacks:
+            event.callbacks = []
 
     def rng(self, name: str) -> random.Random:
         """A random stream of its own for the part called ``name``: adding draws in one part

@@ -22,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import simpy
+
 from engine.effects import (
     CancelJob,
     ClockJump,
@@ -125,9 +127,11 @@ class SimNode:
         self._pause_ms: int | None = None
         self._crash_down: int | None = None
         self._wake_at: int | None = None
+        self._wake_event: simpy.Event | None = None
         self._rid = 0
         self._worker_inc: dict[str, int] = {}
-        self._to_coord: list[LeaseEffect] = []
+        self._to_coord: list[LeaseEffect] = []  # the packet to the coordinator of this instant
+        self._to_coord_at = -1
         names = [f"n{i}" for i in range(world.config.nodes)]
         self._rank = [preference(s, names).index(self.name) for s in range(world.shards)]
 
@@ -137,6 +141,8 @@ class SimNode:
         self.alive, self.frozen = True, False
         self.incarnation += 1
         self._queue, self._held, self._wake_at, self._to_coord = [], None, None, []
+        self._wake_event = None
+        self._to_coord_at = -1
         self._pause_ms = self._crash_down = None
         self.k.trace("start", self.name, self.incarnation)
         mono = self._mono()
@@ -233,15 +239,12 @@ class SimNode:
 
     # ---------------------------------------------------------------- leases
 
-    def _flush_coord(self, incarnation: int) -> None:
-        requests, self._to_coord = tuple(self._to_coord), []
-        if requests and self.alive and incarnation == self.incarnation and not self.frozen:
-            coord = self.w.coord
-            self.w.net.send(self.name, "coord", coord.requests, self, incarnation, requests)
-
     def on_lease_responses(self, responses: tuple[Response, ...]) -> None:
         for response in responses:
             self.on_lease_response(response)
+        # A renewal's answer moves its resend time (the wakeup set when it left) later: move
+        # the wakeup rather than wake for nothing (one wakeup per renewal instead of two).
+        self._schedule_wake(later=True)
 
     def on_lease_response(self, response: Response) -> None:
         hs = self.hosted.get(response.shard)
@@ -261,11 +264,20 @@ class SimNode:
                 self._open(hs, effect.epoch)
             elif isinstance(effect, StopActing):
                 self._stop(hs, effect.reason)
-            else:
-                # Requests of one instant go out in one packet.
-                if not self._to_coord:
-                    self.k.later(0, self._flush_coord, self.incarnation)
-                self._to_coord.append(effect)
+            elif not self.frozen:
+                self._to_coordinator(effect)
+
+    def _to_coordinator(self, request: LeaseEffect) -> None:
+        """Requests of one instant go out in one packet: it leaves with the first of them and
+        takes the others of the same instant along (it arrives at least 1 ms later, so it is
+        the same as sending them together at the end of the instant, without an event)."""
+        now = self.k.now
+        if self._to_coord_at == now:
+            self._to_coord.append(request)
+            return
+        self._to_coord_at, self._to_coord = now, [request]
+        coord = self.w.coord
+        self.w.net.send(self.name, "coord", coord.requests, self, self.incarnation, self._to_coord)
 
     def _open(self, hs: _Hosted, epoch: int) -> None:
         hs.opening, hs.epoch, hs.engine = True, epoch, None
@@ -607,7 +619,9 @@ class SimNode:
         if self._refresh(hs, engine=engine) or self._wake_at is None:
             self._schedule_wake()
 
-    def _schedule_wake(self) -> None:
+    def _schedule_wake(self, *, later: bool = False) -> None:
+        """Set the wakeup to the earliest time a lease or an engine wants a tick, if that is
+        earlier than the wakeup already set (or, ``later``, different from it)."""
         if not self.alive or self.frozen:
             return
         # Engine timers at the tick resolution; lease timers (renewals, resends, polls) on a
@@ -629,10 +643,13 @@ class SimNode:
         mono = soonest
         now = self.k.now
         at = max(self.clock.true_at_mono(mono), now + 1)
-        if self._wake_at is not None and now < self._wake_at <= at:
-            return
+        if self._wake_at is not None and now < self._wake_at:
+            if self._wake_at == at or (self._wake_at < at and not later):
+                return
+        if self._wake_event is not None:
+            self.k.cancel(self._wake_event)
         self._wake_at = at
-        self.k.later(at - now, self.receive, self.incarnation, self._on_wake, at)
+        self._wake_event = self.k.later(at - now, self.receive, self.incarnation, self._on_wake, at)
 
     def _on_wake(self, at: int) -> None:
         if self._wake_at != at:
