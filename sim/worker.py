@@ -55,6 +55,8 @@ class _Session:
     fence_timer: bool = False
     sent: dict[int, tuple[int, bool]] = field(default_factory=dict)  # seq -> (sent at, hello)
     credits: int = -1  # the last credits this shard was told
+    #: start reports waiting for the next packet to this shard's owner (see ``on_dispatch``)
+    starting: dict[tuple[str, int], ReportStarted] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -149,12 +151,12 @@ class SimWorker:
             session.hello_at = now
             hello = WorkerHello(self.name, self.tiers, self._free(shard), self._held(shard))
             session.credits = hello.credits
-            return self._stamp(shard, (hello,), hello=True)
+            return self._stamp(shard, (hello, *self._starts(session)), hello=True)
         held = self._held(shard)
         if not held and not retry and now - session.beat_at < self.w.config.idle_heartbeat_ms:
             return None  # nothing at stake here: staying known is enough
         session.beat_at = now
-        commands: list[Command] = [Heartbeat(self.name, held)]
+        commands: list[Command] = [*self._starts(session), Heartbeat(self.name, held)]
         free = self._free(shard)
         if free != session.credits:
             session.credits = free
@@ -164,6 +166,14 @@ class SimWorker:
                 commands.append(report)
                 self.unreported[key] = (s, report, now)
         return self._stamp(shard, tuple(commands), hello=False)
+
+    @staticmethod
+    def _starts(session: _Session) -> tuple[ReportStarted, ...]:
+        """The start reports waiting for a packet to the shard's owner: they go now."""
+        if not session.starting:
+            return ()
+        starts, session.starting = tuple(session.starting.values()), {}
+        return starts
 
     def _stamp(
         self, shard: int, commands: tuple[Command, ...], *, hello: bool
@@ -305,6 +315,7 @@ class SimWorker:
             # treats these as lost or hands them out again.
             self.k.trace("worker-fence", self.name, f"s{shard}", len(doomed))
             for key in doomed:
+                session.starting.pop(key, None)
                 task = self.tasks.pop(key)
                 self.w.observer.ended(task.execution, "fenced", reported=False)
             # A heartbeat does not tell the node which runs are gone; a hello does (runs it
@@ -332,6 +343,10 @@ class SimWorker:
         execution = self.w.observer.started(self.name, shard, ticket)
         self.tasks[key] = _Task(ticket, shard, execution)
         session = self.sessions[shard]
+        # The start report waits for the next packet to the owner (a heartbeat, a hello, or
+        # this run's final report, which then says it all alone: CLAIMED -> final is a
+        # transition of its own), instead of going out alone now; see the README.
+        session.starting[key] = ReportStarted(self.name, ticket.run_id, ticket.token)
         margin = self.w.config.worker_fence_margin_ms
         if session.fence_at < self.k.now + margin:
             # Nothing confirmed this session lately (an idle shard, a lost heartbeat): ask
@@ -340,8 +355,6 @@ class SimWorker:
             self._contact(shard, True)
         self._arm_fence(shard)
         self.k.trace("run", self.name, ticket.run_id, ticket.attempt, ticket.token, duration)
-        if session.node is not None and session.greeted:
-            self._send(shard, (ReportStarted(self.name, ticket.run_id, ticket.token),), hello=False)
         self.k.later(duration, self._finish, self.incarnation, key, outcome)
 
     def _finish(self, incarnation: int, key: tuple[str, int], outcome: str) -> None:
@@ -364,9 +377,12 @@ class SimWorker:
         self.w.observer.ended(task.execution, outcome, reported=True)
         ticket = task.ticket
         report = ReportFinished(self.name, ticket.run_id, ticket.token, outcome, exit_code)
-        self.unreported[(ticket.run_id, ticket.token)] = (task.shard, report, self.k.now)
+        key = (ticket.run_id, ticket.token)
+        self.unreported[key] = (task.shard, report, self.k.now)
         session = self.sessions[task.shard]
+        session.starting.pop(key, None)  # not sent yet: the final report alone says it all
         if session.node is not None and session.greeted:
             free = self._free(task.shard)
             session.credits = free
-            self._send(task.shard, (report, Pull(self.name, free)), hello=False)
+            starts = self._starts(session)  # others of the shard's, waiting: they go along
+            self._send(task.shard, (*starts, report, Pull(self.name, free)), hello=False)
