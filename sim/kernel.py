@@ -14,6 +14,7 @@ import hashlib
 import random
 from collections import deque
 from collections.abc import Callable
+from heapq import heappush
 from typing import Any
 
 import simpy
@@ -84,12 +85,16 @@ class Kernel:
         same priority, so the order of equal times is still insertion order). Returns the
         event, for :meth:`cancel`.
         """
+        env = self.env
         event = _Call.__new__(_Call)
-        event.env = self.env
+        event.env = env
         event.callbacks = [_run_call]
         event._value = (fn, args)
         event._ok = True
-        self.env.schedule(event, NORMAL, delay if delay > 0 else 0)
+        # ``env.schedule(event, NORMAL, delay)``, inline: the same queue entry.
+        heappush(
+            env._queue, (env._now + (delay if delay > 0 else 0), NORMAL, next(env._eid), event)
+        )
         return event
 
     @staticmethod

@@ -359,7 +359,14 @@ class SimNode:
         engine = self._acting(hs)
         if engine is None:
             return None
-        wall, mono = self._wall(), self._mono()
+        return self._drive(hs, engine, command)
+
+    def _drive(
+        self, hs: _Hosted, engine: ShardEngine, command: Command | tuple[Command, ...] | None
+    ) -> list[Effect]:
+        """:meth:`_call` once :meth:`_acting` said yes, at this same instant."""
+        now = self.k.now
+        wall, mono = self.clock.wall(now), self.clock.mono(now)
         if command is None:
             effects = engine.tick(wall, mono)
         elif type(command) is tuple:
@@ -418,19 +425,21 @@ class SimNode:
         moved = False
         for shard, commands, seq in parts:
             hs = self.hosted.get(shard)
-            if self._acting(hs) is None or hs is None:
+            engine = self._acting(hs)
+            if engine is None or hs is None:
                 answers.append((shard, -1, 0, ()))
                 continue
             # One engine call and one batch for the part, as the real node groups what
             # arrives together (``handle_many``).
-            effects = self._call(hs, commands)
-            if effects is not None:
-                refused = any(type(e) is Refused and e.worker_id == worker.name for e in effects)
-                greeted = any(type(c) in (WorkerHello, Heartbeat) for c in commands)
-                taken = seq if greeted and not refused else 0
-                reported = tuple((c.run_id, c.token) for c in commands if type(c) is ReportFinished)
-                if taken or reported:
-                    answers.append((shard, hs.epoch, taken, reported))
+            effects = self._drive(hs, engine, commands)
+            refused = bool(effects) and any(
+                type(e) is Refused and e.worker_id == worker.name for e in effects
+            )
+            greeted = any(type(c) in (WorkerHello, Heartbeat) for c in commands)
+            taken = seq if greeted and not refused else 0
+            reported = tuple((c.run_id, c.token) for c in commands if type(c) is ReportFinished)
+            if taken or reported:
+                answers.append((shard, hs.epoch, taken, reported))
             moved |= self._refresh(hs, engine=bool(effects))
         if answers:
             self.w.net.send(

@@ -118,8 +118,10 @@ class SimWorker:
         if not self.alive or incarnation != self.incarnation:
             return
         packets: dict[str, list[tuple[int, tuple[Command, ...], int]]] = {}
+        busy = {task.shard for task in self.tasks.values()}
+        busy.update(s for s, _r, _at in self.unreported.values())
         for shard in range(self.w.shards):
-            part = self._part(shard, retry=False)
+            part = self._part(shard, retry=False, idle=shard not in busy)
             if part is not None:
                 node = self.sessions[shard].node
                 assert node is not None
@@ -136,7 +138,12 @@ class SimWorker:
             if part is not None and node is not None:
                 self._post(node, (part,))
 
-    def _part(self, shard: int, *, retry: bool) -> tuple[int, tuple[Command, ...], int] | None:
+    def _part(
+        self, shard: int, *, retry: bool, idle: bool = False
+    ) -> tuple[int, tuple[Command, ...], int] | None:
+        """What goes to the shard's owner now, if anything: a hello, or a heartbeat with what
+        waits (start reports, credits, reports to repeat). ``idle``: the worker holds nothing
+        of the shard (the caller knows), so a recent heartbeat is enough."""
         session = self.sessions[shard]
         owner = self.w.coord.owner_of(shard)  # the shard map, as a watch keeps it
         node = None if owner is None else self.w.node_by_name[owner]
@@ -145,6 +152,13 @@ class SimWorker:
         if node is None:
             return None
         now = self.k.now
+        if (
+            idle
+            and session.greeted
+            and not retry
+            and now - session.beat_at < self.w.config.idle_heartbeat_ms
+        ):
+            return None  # the common case of a round, without looking for held runs
         if not session.greeted:
             if now - session.hello_at < 1_000 and not retry:
                 return None
