@@ -18,14 +18,31 @@ from typing import Any
 from sim.kernel import Kernel
 
 
+class _Packet:
+    """What one link carries from one instant: calls delivered together, in order."""
+
+    __slots__ = ("calls", "resets", "sent_at")
+
+    def __init__(
+        self,
+        sent_at: int,
+        call: tuple[Callable[..., Any], tuple[Any, ...]],
+        on_reset: Callable[[], None] | None,
+    ) -> None:
+        self.sent_at = sent_at
+        self.calls = [call]
+        self.resets = [] if on_reset is None else [on_reset]
+
+
 class Network:
-    __slots__ = ("_cut", "_k", "_last", "_rng", "delivered", "dropped", "loss")
+    __slots__ = ("_cut", "_k", "_last", "_open", "_rng", "delivered", "dropped", "loss")
 
     def __init__(self, kernel: Kernel, rng: random.Random, *, loss: float) -> None:
         self._k = kernel
         self._rng = rng
         self.loss = loss
         self._last: dict[tuple[str, str], int] = {}
+        self._open: dict[tuple[str, str], _Packet] = {}  # the packet of this instant, per link
         self._cut: dict[tuple[str, str], int] = {}  # (a, b) with a < b -> number of cuts
         self.delivered = 0
         self.dropped = 0
@@ -67,7 +84,19 @@ class Network:
     ) -> None:
         """Deliver ``fn(*args)`` at ``dst`` after a latency, unless cut or lost. A message on
         a connection (``on_reset`` given) that is lost or cut breaks it: ``on_reset`` is called
-        (at the worker's end, which reconnects and greets again) instead."""
+        (at the worker's end, which reconnects and greets again) instead.
+
+        Messages a link carries from one instant travel as one packet (a sender writes them
+        to its socket together): the first decides latency and loss, the others ride along,
+        in order, and share its fate (a broken packet calls each ``on_reset`` it carries)."""
+        now = self._k.now
+        link = (src, dst)
+        packet = self._open.get(link)
+        if packet is not None and packet.sent_at == now:
+            packet.calls.append((fn, args))
+            if on_reset is not None:
+                packet.resets.append(on_reset)
+            return
         if self._cut and self.is_cut(src, dst):
             self.dropped += 1
             if on_reset is not None:
@@ -79,24 +108,17 @@ class Network:
             if on_reset is not None:
                 self._k.later(self.latency(), on_reset)
             return
-        now = self._k.now
-        link = (src, dst)
+        packet = self._open[link] = _Packet(now, (fn, args), on_reset)
         at = max(now + self.latency(), self._last.get(link, 0))
         self._last[link] = at
-        self._k.later(at - now, self._arrive, src, dst, fn, args, on_reset)
+        self._k.later(at - now, self._arrive, src, dst, packet)
 
-    def _arrive(
-        self,
-        src: str,
-        dst: str,
-        fn: Callable[..., Any],
-        args: tuple[Any, ...],
-        on_reset: Callable[[], None] | None,
-    ) -> None:
+    def _arrive(self, src: str, dst: str, packet: _Packet) -> None:
         if self._cut and self.is_cut(src, dst):
             self.dropped += 1
-            if on_reset is not None:
+            for on_reset in packet.resets:
                 on_reset()
             return
         self.delivered += 1
-        fn(*args)
+        for fn, args in packet.calls:
+            fn(*args)
