@@ -69,7 +69,7 @@ from rocksdict import (
 
 from engine.effects import Persist
 from engine.errors import EngineError
-from engine.records import Record, check, expand
+from engine.records import ACCT_EXHAUSTED, FORMAT_VERSION, Record, check
 from engine.runs import FINAL_VALUES, IN_FLIGHT_VALUES
 from engine.snapshot import Snapshot
 from wal import codec
@@ -501,6 +501,10 @@ class ShardStore:
                 batch.batch_id, batch.epoch, log_value, puts, pos, runs, 2 * len(log_value)
             )
         encoded: list[bytes] = []
+        # Runs a later record of this batch writes again (a fired run claimed in its fire's
+        # batch, the usual case under load): their PENDING row would be overwritten in the
+        # same atomic write, so it is not made at all. The log keeps every record.
+        rewritten: dict[tuple[int, int], int] | None = None
         for index, record in enumerate(records):
             check(record)
             data = pack(record)
@@ -513,11 +517,11 @@ class ShardStore:
             elif kind == "fire":
                 # Many fires in one compact record: the log keeps it as it is; the query
                 # families get the run and position records it stands for.
-                for canonical in expand(record):
-                    if canonical["t"] == "run":
-                        _route_run(canonical, pack(canonical), puts, runs)
-                    else:
-                        _route_pos(canonical, pack(canonical), puts, pos)
+                if rewritten is None:
+                    rewritten = {
+                        (r["key"], r["at"]): i for i, r in enumerate(records) if r["t"] == "run"
+                    }
+                _route_fire(record, index, rewritten, pack, puts, runs, pos)
             elif kind == "job":
                 key, job_id = record["key"], record["id"]
                 if not isinstance(job_id, str):
@@ -1215,6 +1219,86 @@ def _route_run(
     cls = _RUN_CLASS.get(record["state"], _RUN_OTHER)
     puts.append((_RUNS, rk, _RUN_BYTES[cls] + data))
     runs.append((rk, cls, key, at))
+
+
+def _fire_templates() -> tuple[bytes, ...]:
+    """The constant stretches of the msgpack maps :func:`engine.records.expand` makes of a
+    fire (a PENDING ``run`` record and a ``pos`` record per fire), so that routing a fire
+    packs only its numbers; the bytes are the same as packing those records (tested)."""
+    p = msgpack.Packer(use_bin_type=True).pack
+
+    def pairs(*items: Any) -> bytes:
+        return b"".join(p(item) for item in items)
+
+    head = pairs("t", "run", "v", FORMAT_VERSION, "key")
+    mid = pairs("state", "PENDING", "att", 1, "tok", 0, "w", None, "ver")
+    tail = pairs("due", None, "fail", 0, "tmo", 0, "src", None, "exit", None, "why", None)
+    pos_head = pairs("t", "pos", "v", FORMAT_VERSION, "key")
+    pos_tail = pairs("paused", False, "gone", False, "why", "catchup")
+    return head, p("at"), mid, tail, pos_head, p("next"), p("acct"), pos_tail, p("e")
+
+
+(
+    _RUN_HEAD,
+    _AT,
+    _RUN_MID,
+    _RUN_TAIL,
+    _POS_HEAD,
+    _NEXT,
+    _ACCT,
+    _POS_TAIL,
+    _EPOCH_KEY,
+) = _fire_templates()
+# Map headers: 15 / 8 entries, and 16 / 9 with the epoch stamp.
+_RUN_MAP: Final = (b"\x8f", b"\xde\x00\x10")
+_POS_MAP: Final = (b"\x88", b"\x89")
+
+
+def _route_fire(
+    record: Record,
+    index: int,
+    rewritten: dict[tuple[int, int], int],
+    pack: Any,
+    puts: list[tuple[int, bytes, bytes]],
+    runs: list[tuple[bytes, int, int, int]],
+    pos: list[tuple[bytes, int]],
+) -> None:
+    """Route a compact ``fire`` record as :func:`engine.records.expand`'s records would be
+    (same keys, same bytes), from its arrays, without making them; a run that a later record
+    of the batch (``rewritten``: run -> index of its last record) writes again gets no row."""
+    epoch = record.get("e")
+    stamped = epoch is not None
+    stamp = _EPOCH_KEY + pack(epoch) if stamped else b""
+    run_map, pos_map = _RUN_MAP[stamped], _POS_MAP[stamped]
+    pending = _RUN_BYTES[_RUN_PENDING]
+    for key, at, ver, nxt in zip(
+        record["keys"], record["ats"], record["vers"], record["next"], strict=True
+    ):
+        if rewritten.get((key, at), -1) <= index:
+            rk = _I64_PAIR.pack(key + _I64_OFFSET, at + _I64_OFFSET)
+            data = b"".join(
+                (
+                    run_map,
+                    _RUN_HEAD,
+                    pack(key),
+                    _AT,
+                    pack(at),
+                    _RUN_MID,
+                    pack(ver),
+                    _RUN_TAIL,
+                    stamp,
+                )
+            )
+            puts.append((_RUNS, rk, pending + data))
+            runs.append((rk, _RUN_PENDING, key, at))
+        acct = ACCT_EXHAUSTED if nxt is None else nxt - 1
+        cls = _POS_IDLE if nxt is None else _POS_PENDING
+        data = b"".join(
+            (pos_map, _POS_HEAD, pack(key), _NEXT, pack(nxt), _ACCT, pack(acct), _POS_TAIL, stamp)
+        )
+        pk = codec.i64(key)
+        puts.append((_POS, pk, _POS_BYTES[cls] + data))
+        pos.append((pk, cls))
 
 
 def _route_pos(

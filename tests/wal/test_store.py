@@ -7,12 +7,16 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from engine.directory import JobDirectory
 from engine.errors import StaleEpoch as EngineStaleEpoch
+from engine.records import expand
 from tests.wal.records import T0, batch, created, job, note, pos, run, skip
 from wal.errors import (
     EpochAhead,
@@ -25,7 +29,7 @@ from wal.errors import (
     StoreLocked,
     StoreUsageError,
 )
-from wal.store import ShardStore, StoreCounts
+from wal.store import COLUMN_FAMILIES, ShardStore, StoreCounts
 
 
 def open_store(path: Path, epoch: int = 1, *, shard: int = 0, shards: int = 4) -> ShardStore:
@@ -185,6 +189,59 @@ def test_fire_records_index_their_runs_and_positions(tmp_path: Path) -> None:
         assert store.counts == StoreCounts(jobs=2, pending_jobs=1, runs_pending=2)
         # the log keeps the compact record itself
         assert list(store.load().tail)[-1]["t"] == "fire"
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    fires=st.lists(
+        st.tuples(
+            st.integers(0, 5),  # key
+            st.integers(-3, 3),  # at, from T0
+            st.integers(1, 3),  # version
+            st.one_of(st.none(), st.integers(4, 9)),  # next
+        ),
+        min_size=1,
+        max_size=6,
+        unique_by=lambda f: (f[0], f[1]),
+    ),
+    later=st.lists(
+        st.tuples(st.integers(0, 5), st.integers(-3, 3), st.sampled_from(["CLAIMED", "SUCCESS"])),
+        max_size=6,
+    ),
+    stamped=st.booleans(),
+)
+def test_a_fire_is_stored_as_the_records_it_stands_for(
+    tmp_path_factory: pytest.TempPathFactory,
+    fires: list[tuple[int, int, int, int | None]],
+    later: list[tuple[int, int, str]],
+    stamped: bool,
+) -> None:
+    """A compact fire record (routed from its arrays, a run rewritten later in the batch left
+    out) leaves every query family exactly as its expanded records would."""
+    fire: dict[str, Any] = {
+        "t": "fire",
+        "v": 1,
+        "keys": [k for k, _, _, _ in fires],
+        "ats": [T0 + a for _, a, _, _ in fires],
+        "vers": [v for _, _, v, _ in fires],
+        "next": [None if n is None else T0 + n for _, _, _, n in fires],
+    }
+    if stamped:
+        fire["e"] = 1
+    tail = [run(k, T0 + a, state) for k, a, state in later]
+    contents = []
+    for records in ([fire, *tail], [*expand(fire), *tail]):
+        with open_store(tmp_path_factory.mktemp("fire")) as store:
+            store.write([batch(1, *records)])
+            families = {
+                name: list(store._cf[i].items())
+                for i, name in enumerate(COLUMN_FAMILIES)
+                if name not in ("log", "meta", "snapshot")
+            }
+            contents.append((families, store.counts))
+    assert contents[0] == contents[1]
 
 
 # ------------------------------------------------------------------------- refusals
