@@ -770,13 +770,18 @@ class ShardEngine:
         return self._directory.key_of(job_id)
 
     def _stored_spec(self, key: int, version: int) -> dict[str, Any]:
-        """The stored form of job ``key`` at ``version`` (its latest, durable or not)."""
+        """The stored form of job ``key`` at ``version`` (its latest, durable or not): a copy
+        the caller may keep (a pinned spec)."""
+        return dict(self._read_spec(key, version))
+
+    def _read_spec(self, key: int, version: int) -> Mapping[str, Any]:
+        """:meth:`_stored_spec` to read only (a claim's ticket), not copied."""
         recent = self._recent.get(key)
         if recent is not None and recent[1] == version:
             return recent[2]
         found = self._directory.latest(key)
         if found is not None and found[0] == version:
-            return dict(found[1])
+            return found[1]
         raise EngineStateError(
             f"job key {key} version {version} is neither in memory nor in the directory "
             f"(the directory has {None if found is None else found[0]})"
@@ -1611,7 +1616,7 @@ class ShardEngine:
 
     def _claim(self, worker: _Worker, run: _Run) -> None:
         # What the ticket needs is read first: a failure must leave the run unclaimed.
-        spec = run.pinned or self._stored_spec(run.key, run.version)
+        spec = run.pinned or self._read_spec(run.key, run.version)
         self._move(run, RunEvent.CLAIM)
         if run.maybe_sent:
             # The attempt number must never name two dispatches of one run: the one before
