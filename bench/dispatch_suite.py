@@ -56,6 +56,9 @@ class _Counters:
         self.done = 0
         self.first_ms = 0.0
         self.last_ms = 0.0
+        # The process's CPU seconds at its first dispatch and at its latest acknowledgement.
+        self.first_cpu = 0.0
+        self.last_cpu = 0.0
         self.recent: list[str] = []  # the last runs this process finished
 
 
@@ -74,12 +77,14 @@ class _CountingAgent(WorkerAgent):
     def _start(self, ticket: RunTicket) -> None:
         if not self.counters.first_ms:
             self.counters.first_ms = time.time_ns() / 1e6
+            self.counters.first_cpu = time.process_time()
         super()._start(ticket)
 
     def acknowledged(self, rid: str) -> None:
         c = self.counters
         c.done += 1
         c.last_ms = time.time_ns() / 1e6
+        c.last_cpu = time.process_time()
         c.recent.append(rid)
         if len(c.recent) > 64:
             del c.recent[:32]
@@ -96,6 +101,7 @@ async def _worker(port: int, agents: int, slots: int, stats: Path, tag: str) -> 
                     "done": counters.done,
                     "first_ms": counters.first_ms,
                     "last_ms": counters.last_ms,
+                    "cpu_s": counters.last_cpu - counters.first_cpu,
                     "recent": counters.recent[-16:],
                 }
             )
@@ -175,7 +181,7 @@ def _read_stats(files: list[Path]) -> list[dict[str, Any]]:
         try:
             out.append(json.loads(f.read_text()))
         except (OSError, ValueError):
-            out.append({"done": 0, "first_ms": 0.0, "last_ms": 0.0, "recent": []})
+            out.append({"done": 0, "first_ms": 0.0, "last_ms": 0.0, "cpu_s": 0.0, "recent": []})
     return out
 
 
@@ -212,9 +218,12 @@ def measure(jobs: int, work_dir: Path) -> dict[str, Any]:
                 procs.append(subprocess.Popen(argv, start_new_session=True))
             deadline = time.monotonic() + RUN_CAP_S
             done = 0
+            node_cpu_start: float | None = None
             while time.monotonic() < deadline:
                 stats = _read_stats(stats_files)
                 done = sum(s["done"] for s in stats)
+                if node_cpu_start is None and any(s["first_ms"] for s in stats):
+                    node_cpu_start = node.cpu_s()  # (within one poll of the first dispatch)
                 if done >= jobs:
                     break
                 if any(proc.poll() is not None for proc in procs):
@@ -231,6 +240,7 @@ def measure(jobs: int, work_dir: Path) -> dict[str, Any]:
                     raise RuntimeError(f"runs not SUCCESS after the run: {states}")
                 time.sleep(0.01)
             end_ms = time.time_ns() / 1e6
+            node_cpu_end = node.cpu_s()
         finally:
             for proc in procs:
                 stop_process(proc)
@@ -246,6 +256,10 @@ def measure(jobs: int, work_dir: Path) -> dict[str, Any]:
         "preload_s": preload_s,
         "sample": len(sample),
         "sample_success": sum(1 for s in job_states if s == "SUCCESS"),
+        "node_cpu_s": None
+        if node_cpu_start is None or node_cpu_end is None
+        else node_cpu_end - node_cpu_start,
+        "worker_cpu_s": sum(s.get("cpu_s", 0.0) for s in stats),
     }
 
 
@@ -271,6 +285,8 @@ def run(args: argparse.Namespace) -> SuiteResult:
     with tempfile.TemporaryDirectory(prefix="tickwheel-dispatch-") as work_dir:
         out = measure(jobs, Path(work_dir))
     rate = out["done"] / out["seconds"] if out["seconds"] > 0 else 0.0
+    done = max(1, out["done"])
+    node_cpu = out["node_cpu_s"]
     result = SuiteResult("dispatch")
     result.add(
         Metric(
@@ -286,6 +302,9 @@ def run(args: argparse.Namespace) -> SuiteResult:
                 "slots": SLOTS,
                 "sampled": out["sample"],
                 "sampled_success": out["sample_success"],
+                # CPU per run, which other load on the machine barely moves (the rate does):
+                "node_cpu_us_per_run": None if node_cpu is None else round(node_cpu / done * 1e6),
+                "worker_cpu_us_per_run": round(out["worker_cpu_s"] / done * 1e6),
                 "target": TARGET,
             },
         )

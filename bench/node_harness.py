@@ -39,6 +39,19 @@ def python_argv(module: str, args: list[str], *, profile_name: str) -> list[str]
     return [sys.executable, "-m", module, *args]
 
 
+def process_cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system) process ``pid`` used so far, from ``/proc`` (Linux); None
+    when it cannot be read. CPU time per operation, unlike a rate, barely moves when other
+    processes share the cores, so the suites report it beside their rates."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    # Fields 14 and 15 of proc(5) (utime, stime), counted after the ")" that ends field 2.
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class NodeProcess:
     """A node serving a fresh temporary data directory; use as a context manager.
 
@@ -83,6 +96,10 @@ class NodeProcess:
         tb: TracebackType | None,
     ) -> None:
         self._stop()
+
+    def cpu_s(self) -> float | None:
+        """CPU seconds (user + system) the node used so far; None where /proc is missing."""
+        return process_cpu_s(self.proc.pid) if self.proc is not None else None
 
     def log_tail(self, chars: int = 3000) -> str:
         try:
