@@ -339,11 +339,15 @@ class NoSelfFenceMachine(LeaseMachine):
 
 
 def test_the_checker_catches_a_node_that_does_not_fence_itself() -> None:
+    # Random draws find it within a few dozen examples; the fixed draw of the ci profile
+    # once needed more than 300 when other test modules ran first in the same process (what
+    # of Hypothesis's state carries over was not found), so the bound is generous: the search
+    # stops at the first violation anyway.
     with pytest.raises(AssertionError, match="acts under epoch"):
         run_state_machine_as_test(
             NoSelfFenceMachine,
             settings=settings(
-                SETTINGS, max_examples=300, phases=[Phase.generate], print_blob=False
+                SETTINGS, max_examples=2_000, phases=[Phase.generate], print_blob=False
             ),
         )
 
