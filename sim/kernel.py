@@ -41,9 +41,8 @@ class Trace:
         self.lines = 0
 
     def __call__(self, kind: str, *fields: object) -> None:
-        line = f"{self._env.now} {kind} {' '.join(map(str, fields))}"
-        self._hash.update(line.encode())
-        self._hash.update(b"\n")
+        line = f"{self._env._now} {kind} {' '.join(map(str, fields))}"
+        self._hash.update(f"{line}\n".encode())  # the same digest as line, then newline
         self.lines += 1
         self.recent.append(line)
         if self.focus and any(f in line for f in self.focus):

@@ -89,7 +89,7 @@ class Network:
         Messages a link carries from one instant travel as one packet (a sender writes them
         to its socket together): the first decides latency and loss, the others ride along,
         in order, and share its fate (a broken packet calls each ``on_reset`` it carries)."""
-        now = self._k.now
+        now: int = self._k.env._now  # type: ignore[assignment]
         link = (src, dst)
         packet = self._open.get(link)
         if packet is not None and packet.sent_at == now:
@@ -109,7 +109,10 @@ class Network:
                 self._k.later(self.latency(), on_reset)
             return
         packet = self._open[link] = _Packet(now, (fn, args), on_reset)
-        at = max(now + self.latency(), self._last.get(link, 0))
+        at = now + 1 + int(self._rng.expovariate(0.5))  # now + self.latency()
+        last = self._last.get(link, 0)
+        if last > at:
+            at = last
         self._last[link] = at
         self._k.later(at - now, self._arrive, src, dst, packet)
 
