@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import trio
 
@@ -605,6 +605,42 @@ class Connection:
             self.limiter.release()
 
 
+_REPORT_REQUIRED: Final = frozenset({"run_id", "token", "outcome"})
+_REPORT_FIELDS: Final = _REPORT_REQUIRED | {"exit_code"}
+
+
+def _finished_report(worker_id: str, index: int, report: object) -> ReportFinished:
+    """Report ``index`` of a ``worker.finished_many``, checked as ``worker.finished``'s args
+    are; :class:`BadArgs` naming ``reports[index].field`` otherwise."""
+    where = f"reports[{index}]"
+    if not isinstance(report, dict):
+        raise BadArgs(f"{where}: must be a map", None, where)
+    unknown = sorted(report.keys() - _REPORT_FIELDS)
+    missing = sorted(_REPORT_REQUIRED - report.keys())
+    if unknown or missing:
+        name = (unknown or missing)[0]
+        what = "unknown" if unknown else "missing"
+        raise BadArgs(f"{where}.{name}: {what} field", None, f"{where}.{name}")
+    run_id, token = report.get("run_id"), report.get("token")
+    outcome, exit_code = report.get("outcome"), report.get("exit_code")
+    for name, value, fits in (
+        ("run_id", run_id, isinstance(run_id, str)),
+        ("token", token, isinstance(token, int) and not isinstance(token, bool)),
+        ("outcome", outcome, isinstance(outcome, str)),
+        (
+            "exit_code",
+            exit_code,
+            exit_code is None or (isinstance(exit_code, int) and not isinstance(exit_code, bool)),
+        ),
+    ):
+        if not fits:
+            raise BadArgs(
+                f"{where}.{name}: wrong type {type(value).__name__}", None, f"{where}.{name}"
+            )
+    assert isinstance(run_id, str) and isinstance(token, int) and isinstance(outcome, str)
+    return ReportFinished(worker_id, run_id, token, outcome, exit_code)
+
+
 def _error_reply(request: Request, exc: Exception) -> Message:
     """The typed error a failed request gets; a bug is logged, and the connection and the
     node carry on."""
@@ -1078,6 +1114,21 @@ class Node:
             self._pull(conn, {"credits": args["credits"]})
         return {}
 
+    def _finished_many(self, conn: Connection, args: dict[str, Any]) -> Any:
+        """``worker.finished`` for several runs: every report is checked before any is taken
+        (a malformed one refuses the whole request, nothing half-applied), then each goes to
+        its shard as its own report would."""
+        session = conn.worker
+        assert session is not None
+        commands = [
+            _finished_report(session.worker_id, i, r) for i, r in enumerate(args["reports"])
+        ]
+        for command in commands:
+            self._host_of_run(command.run_id, final=True).tell(command)
+        if "credits" in args:
+            self._pull(conn, {"credits": args["credits"]})
+        return {}
+
     def _host_of_run(self, rid: str, *, final: bool = False) -> ShardHost:
         """The shard of a run a worker reports on: known from its dispatch (no parse of the
         run id and hash of the job id per report), else computed (a run dispatched before a
@@ -1107,6 +1158,7 @@ _QUICK_OPS: dict[str, Callable[[Node, Connection, dict[str, Any]], Any]] = {
     "worker.pull": Node._pull,
     "worker.started": Node._started,
     "worker.finished": Node._finished,
+    "worker.finished_many": Node._finished_many,
     "worker.output": Node._output,
 }
 

@@ -74,6 +74,9 @@ OPS: Final[dict[str, ArgSpec]] = {
         "exit_code": ((int, type(None)), False),
         "credits": (_INT, False),
     },
+    # Several final reports in one request (each a map of worker.finished's fields but
+    # credits); the free slots once, after them all.
+    "worker.finished_many": {"reports": (_LIST, True), "credits": (_INT, False)},
 }
 
 #: Ops a connection may send only after ``worker.hello``.

@@ -22,6 +22,7 @@ import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import trio
@@ -98,6 +99,11 @@ class WorkerAgent:
         self.client: Client
         self.nursery: trio.Nursery
         self.completed = 0
+        # Final reports waiting for the reporter task, which sends all of them as one request:
+        # the runs that end in one pass of the loop (a node's turn dispatches many at once)
+        # cost one request, one reply and one engine command group, not one each.
+        self._to_report: list[str] = []
+        self._report_ready: trio.Event | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -111,6 +117,7 @@ class WorkerAgent:
                 self.nursery = nursery
                 await self._hello()
                 nursery.start_soon(self._heartbeats)
+                nursery.start_soon(self._reporter)
                 task_status.started()
 
     def _running(self) -> int:
@@ -257,19 +264,60 @@ class WorkerAgent:
         }
 
     def _send_finished(self, rid: str) -> None:
-        """The final report, answered by callback (the run's task ends now). Without a
-        connection, or when the answer is a lost connection, it is sent again: by a task
-        that retries, or by the hello after the reconnect."""
-        held = self.held.get(rid)
-        if held is None or held.outcome is None or held.reporting:
+        """Queue the final report for the reporter task (the run's task ends now)."""
+        self._to_report.append(rid)
+        ready = self._report_ready
+        if ready is not None:
+            self._report_ready = None
+            ready.set()
+
+    async def _reporter(self) -> None:
+        """Sends the queued final reports, all of a pass of the loop in one
+        ``worker.finished_many``, answered by callback. Without a connection, or when the
+        answer is a lost connection, each is sent again: by a task that retries, or by the
+        hello after the reconnect."""
+        while True:
+            if not self._to_report:
+                ready = self._report_ready = trio.Event()
+                await ready.wait()
+            rids, self._to_report = self._to_report, []
+            batch: list[tuple[str, _Held]] = []
+            for rid in rids:
+                held = self.held.get(rid)
+                if held is not None and held.outcome is not None and not held.reporting:
+                    held.reporting = True
+                    batch.append((rid, held))
+            if not batch:
+                continue
+            reports = [
+                {
+                    "run_id": rid,
+                    "token": held.ticket.token,
+                    "outcome": held.outcome[0],
+                    "exit_code": held.outcome[1],
+                }
+                for rid, held in batch
+                if held.outcome is not None
+            ]
+            sent = self.client.send_then(
+                "worker.finished_many",
+                {"reports": reports, "credits": self._free()},
+                partial(self._batch_answered, batch),
+            )
+            if not sent:
+                for rid, held in batch:
+                    held.reporting = False
+                    self.nursery.start_soon(self._report_finished, rid)
+
+    def _batch_answered(self, batch: list[tuple[str, _Held]], answer: Any) -> None:
+        if isinstance(answer, RemoteError) and answer.code == "not_a_worker":
+            # The node forgot us: one hello, which reports every finished run again.
+            for _rid, held in batch:
+                held.reporting = False
+            self.nursery.start_soon(self._hello)
             return
-        held.reporting = self.client.send_then(
-            "worker.finished",
-            self._finished_args(rid, held),
-            lambda answer: self._finished_answered(rid, answer),
-        )
-        if not held.reporting:
-            self.nursery.start_soon(self._report_finished, rid)
+        for rid, _held in batch:
+            self._finished_answered(rid, answer)
 
     def _finished_answered(self, rid: str, answer: Any) -> None:
         held = self.held.get(rid)

@@ -271,6 +271,44 @@ def test_worker_ops_need_a_hello_and_bad_reports_are_refused(tmp_path: Path) -> 
     run_with_node(tmp_path, body)
 
 
+def test_a_batch_of_final_reports_is_checked_whole_before_any_is_taken(tmp_path: Path) -> None:
+    async def body(port: int) -> None:
+        raw = await Raw.open(port)
+        reply = await raw.call("worker.finished_many", {"reports": []})
+        assert error_of(reply) == ("not_a_worker", None)
+        hello = await raw.call("worker.hello", {"worker_id": "w1", "tiers": ["t1"], "slots": 0})
+        assert hello["ok"]
+        refused_by_engine = {"run_id": "j@1", "token": 1, "outcome": "exploded"}
+        for bad, field in (
+            ("not a map", "reports[1]"),
+            ({"run_id": "j@2", "token": True, "outcome": "success"}, "reports[1].token"),
+            ({"run_id": "j@2", "token": 1}, "reports[1].outcome"),
+            ({"run_id": "j@2", "token": 1, "outcome": "success", "x": 1}, "reports[1].x"),
+            ({"run_id": 5, "token": 1, "outcome": "success"}, "reports[1].run_id"),
+            ({"run_id": "j@2", "token": 1, "outcome": "success", "exit_code": "0"}, None),
+        ):
+            reply = await raw.call("worker.finished_many", {"reports": [refused_by_engine, bad]})
+            assert error_of(reply) == ("bad_args", field or "reports[1].exit_code"), bad
+        reply = await raw.call("worker.finished_many", {"reports": "no list"})
+        assert error_of(reply) == ("bad_args", "reports")
+        # Nothing of a refused batch was applied: the engine never saw the first report.
+        for _ in range(20):
+            assert (await raw.call("ping"))["ok"]
+        assert not raw.pushes
+        # Alone, it is taken (and then refused by the engine, as worker.finished would be).
+        reply = await raw.call(
+            "worker.finished_many", {"reports": [refused_by_engine], "credits": 0}
+        )
+        assert reply["ok"] is True and reply["result"] == {}
+        with trio.fail_after(5):
+            while not raw.pushes:
+                assert (await raw.call("ping"))["ok"]
+        assert raw.pushes[0]["push"] == "refused" and raw.pushes[0]["code"] == "invalid"
+        await raw.aclose()
+
+    run_with_node(tmp_path, body)
+
+
 # =============================================================================== sizes
 
 
