@@ -51,6 +51,19 @@ TARGETS = {"single": 1_500, "conns64": 10_000, "pipelined": 75_000}
 class Outcome:
     done: int
     seconds: float
+    node_cpu_s: float | None = None  # the node's CPU seconds over the mode's run
+    client_cpu_s: float = 0.0  # this process's (the clients')
+
+    def cpu_fields(self) -> dict[str, Any]:
+        """CPU microseconds per submit, node and clients: what other load on the machine
+        barely moves (the rate does)."""
+        done = max(1, self.done)
+        return {
+            "node_cpu_us_per_submit": None
+            if self.node_cpu_s is None
+            else round(self.node_cpu_s / done * 1e6),
+            "client_cpu_us_per_submit": round(self.client_cpu_s / done * 1e6),
+        }
 
     @property
     def rate(self) -> float:
@@ -203,7 +216,12 @@ def measure(jobs: int) -> tuple[dict[str, Outcome], float]:
     with NodeProcess(shards=2, name="node-submit") as node:
         for mode, count in plan.items():
             specs = _specs(mode, count, at)
+            node_cpu, client_cpu = node.cpu_s(), time.process_time()
             outcome = trio.run(runners[mode], node.port, specs, CAPS[mode])
+            outcome.client_cpu_s = time.process_time() - client_cpu
+            node_cpu_end = node.cpu_s()
+            if node_cpu is not None and node_cpu_end is not None:
+                outcome.node_cpu_s = node_cpu_end - node_cpu
             trio.run(_check, node.port, specs, outcome.done)
             out[mode] = outcome
         # The floor of one-at-a-time durability on this disk, measured right after.
@@ -226,6 +244,7 @@ def run(args: argparse.Namespace) -> SuiteResult:
                 "jobs": single.done,
                 "target": TARGETS["single"],
                 "quoted_redis_per_s": REDIS_SINGLE,
+                **single.cpu_fields(),
             },
             "fdatasync loop (one write + fdatasync per submit, same disk)",
             fsync,
@@ -242,6 +261,7 @@ def run(args: argparse.Namespace) -> SuiteResult:
                 "connections": CONNECTIONS,
                 "jobs": conns.done,
                 "target": TARGETS["conns64"],
+                **conns.cpu_fields(),
             },
         )
     )
@@ -260,6 +280,7 @@ def run(args: argparse.Namespace) -> SuiteResult:
                 "jobs": many.done,
                 "target": TARGETS["pipelined"],
                 "quoted_redis_per_s": REDIS_PIPELINED,
+                **many.cpu_fields(),
             },
         )
     )
@@ -277,6 +298,7 @@ def run(args: argparse.Namespace) -> SuiteResult:
                 "jobs": creates.done,
                 "target": TARGETS["pipelined"],
                 "quoted_redis_per_s": REDIS_PIPELINED,
+                **creates.cpu_fields(),
             },
         )
     )

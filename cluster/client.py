@@ -29,6 +29,7 @@ from typing import Any
 import trio
 
 from cluster.codec import DEFAULT_MAX_FRAME, FrameDecoder, Message, ProtocolError, encode
+from cluster.rawio import RawSocketIO
 from engine.jobs import new_job_id
 
 DEFAULT_TIMEOUT_S = 30.0
@@ -194,9 +195,10 @@ class Client:
 
     async def _reader(self, stream: trio.SocketStream) -> None:
         decoder = FrameDecoder(self.max_frame)
+        io = RawSocketIO(stream)
         try:
             while True:
-                data = await stream.receive_some(256 * 1024)
+                data = await io.receive_some()
                 if not data:
                     break
                 decoder.feed(data)
@@ -233,13 +235,14 @@ class Client:
         leaves in one send (many requests in flight cost few system calls, and a request
         never waits for a lock). A failed send closes the stream: the reader then fails every
         request waiting, which are retried after the reconnect."""
+        io = RawSocketIO(stream)
         try:
             while True:
                 if not outbox.frames:
                     ready = outbox.ready = trio.Event()
                     await ready.wait()
                 frames, outbox.frames = outbox.frames, []
-                await stream.send_all(frames[0] if len(frames) == 1 else b"".join(frames))
+                await io.send_all(frames[0] if len(frames) == 1 else b"".join(frames))
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             with trio.move_on_after(1) as scope:
                 scope.shield = True

@@ -38,6 +38,7 @@ import trio
 
 from cluster.codec import DEFAULT_MAX_FRAME, FrameDecoder, Message, ProtocolError, encode
 from cluster.protocol import MAX_LIMIT, BadArgs, Request, error, ok, parse_request, push
+from cluster.rawio import RawSocketIO
 from engine.effects import (
     CancelJob,
     ClockJump,
@@ -463,9 +464,10 @@ class ShardHost:
 class Connection:
     """One client or worker connection: a reader task, a writer task, requests in between."""
 
-    def __init__(self, node: Node, stream: trio.abc.Stream) -> None:
+    def __init__(self, node: Node, stream: trio.SocketStream) -> None:
         self.node = node
         self.stream = stream
+        self.io = RawSocketIO(stream)  # the stream's bytes without its schedule points
         self.decoder = FrameDecoder(node.max_frame)
         # Frames waiting for the writer task: a list and a wake-up (cheaper than a channel),
         # bounded: a peer that sends without reading must not grow the node's memory.
@@ -525,11 +527,11 @@ class Connection:
                 ready = self.out_ready = trio.Event()
                 await ready.wait()
             chunks, self.out = self.out, []
-            await self.stream.send_all(chunks[0] if len(chunks) == 1 else b"".join(chunks))
+            await self.io.send_all(chunks[0] if len(chunks) == 1 else b"".join(chunks))
 
     async def _reader(self, nursery: trio.Nursery) -> None:
         while True:
-            data = await self.stream.receive_some(256 * 1024)
+            data = await self.io.receive_some()
             if not data:
                 return
             self.decoder.feed(data)

@@ -1,0 +1,120 @@
+"""The raw socket reads and writes against what Trio's own stream promises: order, partial
+writes, a closed stream, a peer gone, yielding to other tasks, cancellation."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import trio
+
+from cluster.rawio import READ_BYTES, READS_BEFORE_YIELD, RawSocketIO
+
+
+async def _pair() -> tuple[trio.SocketStream, trio.SocketStream]:
+    a, b = trio.socket.socketpair()
+    return trio.SocketStream(a), trio.SocketStream(b)
+
+
+def test_bytes_arrive_in_order_through_partial_writes() -> None:
+    async def main() -> None:
+        left, right = await _pair()
+        payload = bytes(range(256)) * (40 * 1024)  # 10 MiB: far more than a socket buffer
+        got = bytearray()
+
+        async def read_all() -> None:
+            io = RawSocketIO(right)
+            while len(got) < len(payload):
+                chunk = await io.receive_some()
+                assert 0 < len(chunk) <= READ_BYTES
+                got.extend(chunk)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read_all)
+            await RawSocketIO(left).send_all(payload)
+        assert bytes(got) == payload
+        await left.aclose()
+        assert await RawSocketIO(right).receive_some() == b""  # the peer closed its side
+
+    trio.run(main)
+
+
+def test_a_stream_closed_by_another_task_wakes_the_reader() -> None:
+    async def main() -> None:
+        left, right = await _pair()
+        io = RawSocketIO(right)
+
+        async def close_soon() -> None:
+            await trio.sleep(0.01)
+            await right.aclose()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(close_soon)
+            with pytest.raises(trio.ClosedResourceError):
+                await io.receive_some()
+        with pytest.raises(trio.ClosedResourceError):
+            await io.send_all(b"x")  # never the number another connection may have now
+        await left.aclose()
+
+    trio.run(main)
+
+
+def test_a_reset_peer_is_a_broken_resource() -> None:
+    async def main() -> None:
+        listener = trio.socket.socket()
+        await listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        client = await trio.open_tcp_stream("127.0.0.1", listener.getsockname()[1])
+        server_sock, _ = await listener.accept()
+        # Close with RST: SO_LINGER on, zero timeout.
+        server_sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00" * 2)
+        server_sock.close()
+        io = RawSocketIO(client)
+        with pytest.raises(trio.BrokenResourceError):
+            for _ in range(100):  # the first write may still be taken by the kernel
+                await io.send_all(b"x" * 65536)
+                await trio.sleep(0.001)
+        await client.aclose()
+        listener.close()
+
+    trio.run(main)
+
+
+def test_a_reader_that_always_finds_data_still_lets_others_run() -> None:
+    async def main() -> None:
+        left, right = await _pair()
+        io = RawSocketIO(right)
+        other_ran = 0
+
+        async def other() -> None:
+            nonlocal other_ran
+            while True:
+                other_ran += 1
+                await trio.lowlevel.checkpoint()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(other)
+            await trio.lowlevel.checkpoint()  # the other task starts
+            before = other_ran
+            for _ in range(4 * READS_BEFORE_YIELD):
+                os.write(left.socket.fileno(), b"x")  # no schedule point on this side
+                assert await io.receive_some() == b"x"
+            assert other_ran - before >= 3  # yielded about every READS_BEFORE_YIELD reads
+            nursery.cancel_scope.cancel()
+        await left.aclose()
+        await right.aclose()
+
+    trio.run(main)
+
+
+def test_a_waiting_read_is_cancellable() -> None:
+    async def main() -> None:
+        left, right = await _pair()
+        with trio.move_on_after(0.02) as scope:
+            await RawSocketIO(right).receive_some()
+        assert scope.cancelled_caught
+        await left.aclose()
+        await right.aclose()
+
+    trio.run(main)
