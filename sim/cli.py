@@ -75,12 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
-
     from sim.config import SimConfig, SimConfigError
     from sim.report import print_summary, to_json, write_report
-    from sim.runner import run_seeds
+    from sim.runner import Summary, run_seeds
     from sim.world import SeedResult
 
     try:
@@ -98,34 +95,46 @@ def run(args: argparse.Namespace) -> int:
         print(f"tickwheel sim: {error}", file=sys.stderr)
         return 2
 
-    err = Console(stderr=True)
-    # A bar when it is worth one: several seeds, or one long seed, on a terminal.
+    # A bar when it is worth one: several seeds, or one long seed, on a terminal. rich is
+    # imported only when something is shown with it (a tenth of a second of a short run).
     long_run = args.seeds > 1 or args.jobs * args.hours > 20_000
-    with Progress(
-        "[progress.description]{task.description}",
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=err,
-        transient=True,
-        disable=not (long_run and err.is_terminal),
-    ) as progress:
-        task = progress.add_task("seeds", total=args.seeds)
-        bad = 0
+    summary: Summary
+    if long_run:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
-        def on_seed(result: SeedResult) -> None:
-            nonlocal bad
-            bad += bool(result.violations)
-            progress.update(task, advance=1, description=f"seed {result.seed} ({bad} violating)")
+        err = Console(stderr=True)
+        with Progress(
+            "[progress.description]{task.description}",
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=err,
+            transient=True,
+            disable=not err.is_terminal,
+        ) as progress:
+            task = progress.add_task("seeds", total=args.seeds)
+            bad = 0
 
-        summary = run_seeds(config, args.seeds, on_seed=on_seed)
+            def on_seed(result: SeedResult) -> None:
+                nonlocal bad
+                bad += bool(result.violations)
+                progress.update(
+                    task, advance=1, description=f"seed {result.seed} ({bad} violating)"
+                )
+
+            summary = run_seeds(config, args.seeds, on_seed=on_seed)
+    else:
+        summary = run_seeds(config, args.seeds)
 
     if args.report is not None:
         for path in write_report(summary, Path(args.report)):
-            err.print(f"wrote {path}")
+            print(f"wrote {path}", file=sys.stderr)
     if args.json:
         print(to_json(summary))
     else:
+        from rich.console import Console
+
         print_summary(summary, Console())
     if config.mutant is not None:
         return 0 if summary.stopped_at is not None else 1

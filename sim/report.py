@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
-
-from rich.console import Console
-from rich.table import Table
+from typing import TYPE_CHECKING, Any
 
 from sim.config import HOUR_MS
 from sim.runner import Summary
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 MINUTE = 60_000
 
@@ -30,6 +30,8 @@ _FAULT_COLOURS = {
 
 
 def print_summary(summary: Summary, console: Console) -> None:
+    from rich.table import Table  # rich only for a human summary, not for --json
+
     d = summary.to_dict()
     late = d["lateness_ms"]
     table = Table(title="tickwheel sim", show_header=False, box=None, pad_edge=False)
