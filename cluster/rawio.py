@@ -68,6 +68,16 @@ class RawSocketIO:
             except OSError as exc:
                 raise _translate(exc) from exc
 
+    def try_send(self, data: bytes) -> int:
+        """Write what fits of ``data`` now, never waiting: the bytes written (0 when the
+        socket has no room). Raises as :meth:`send_all` does."""
+        try:
+            return os.write(self._fd(), data)
+        except BlockingIOError:
+            return 0
+        except OSError as exc:
+            raise _translate(exc) from exc
+
     async def send_all(self, data: bytes) -> None:
         """Write all of ``data``, waiting for room as needed."""
         view = memoryview(data)
