@@ -260,10 +260,14 @@ class ShardHost:
         self.pending.append(command)
         wakeup = self.wakeup
         if wakeup is not None:
-            if self.node.batching:
-                # The loop sleeps and the node is in a batch: the batch's end works this
-                # through inline (turn_now), a pass of Trio's loop sooner than a wake-up.
-                self.node.turn_due[self] = None
+            node = self.node
+            if node.batching and node.in_flight <= 1:
+                # The loop sleeps, the node is in a batch, and no other request is in flight
+                # (a lone client, a worker's reports): the batch's end works this through
+                # inline (turn_now), a pass of Trio's loop sooner than a wake-up. With other
+                # requests in flight, more are likely to arrive in this pass of the loop: the
+                # loop's own turn then takes them all as one engine call and one batch.
+                node.turn_due[self] = None
                 return
             self.wakeup = None
             wakeup.set()
@@ -635,10 +639,15 @@ class Connection:
                 await self.limiter.acquire()
             finally:
                 node.begin_batch()
+        self.node.in_flight += 1
+
+    def _release(self) -> None:
+        self.limiter.release()
+        self.node.in_flight -= 1
 
     def _create_now(self, request: Request) -> None:
         def answer(outcome: Reply | StoreError) -> None:
-            self.limiter.release()
+            self._release()
             try:
                 if isinstance(outcome, StoreError):
                     raise outcome
@@ -650,7 +659,7 @@ class Connection:
             spec = self.node.job_spec(request.args["spec"])
             self.node.host_of(spec.id).request_then(lambda rid: CreateJob(rid, spec), answer)
         except Exception as exc:
-            self.limiter.release()
+            self._release()
             self.send(_error_reply(request, exc))
 
     def _answer_now(self, request: Request) -> None:
@@ -666,7 +675,7 @@ class Connection:
         except Exception as exc:
             self.send(_error_reply(request, exc))
         finally:
-            self.limiter.release()
+            self._release()
 
 
 _REPORT_REQUIRED: Final = frozenset({"run_id", "token", "outcome"})
@@ -771,6 +780,7 @@ class Node:
         # the replies and pushes for idle writers are written directly. Each would otherwise
         # cost a pass of Trio's loop, about half of a lone request's time on this machine.
         self.batching = 0
+        self.in_flight = 0  # requests admitted (Connection._admit) and not answered yet
         self.turn_due: dict[ShardHost, None] = {}
         self.unsent: dict[Connection, None] = {}
         self.nursery: trio.Nursery
