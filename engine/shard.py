@@ -473,22 +473,22 @@ class ShardEngine:
         """The monotonic time by which :meth:`tick` should next be called (None: nothing
         scheduled). Wall-clock deadlines are converted with the current offset; waking early
         is harmless."""
-        offset = self._mono - self._wall
-        candidates: list[int] = []
+        # Called after every turn of a driver: a running minimum, no list (each wheel's
+        # next_due is cached by the wheel itself).
+        pending, bound = self._pending, self.config.ready_bound
+        best: int | None = self._retry.next_due()
         for tier, wheel in self._fire.items():
-            if self._tier_open(tier):
+            if pending.get(tier, 0) < bound:  # (_tier_open)
                 due = wheel.next_due()
-                if due is not None:
-                    candidates.append(due + offset)
-        for wheel, shift in (
-            (self._retry, offset),
-            (self._run_timers, 0),
-            (self._worker_timers, 0),
-        ):
+                if due is not None and (best is None or due < best):
+                    best = due
+        if best is not None:
+            best += self._mono - self._wall  # wall-clock deadlines, in monotonic time
+        for wheel in (self._run_timers, self._worker_timers):
             due = wheel.next_due()
-            if due is not None:
-                candidates.append(due + shift)
-        return max(min(candidates), self._mono) if candidates else None
+            if due is not None and (best is None or due < best):
+                best = due
+        return None if best is None else max(best, self._mono)
 
     @property
     def now_ms(self) -> int:
