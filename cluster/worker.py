@@ -103,6 +103,7 @@ class WorkerAgent:
         # the runs that end in one pass of the loop (a node's turn dispatches many at once)
         # cost one request, one reply and one engine command group, not one each.
         self._to_report: list[str] = []
+        self._to_start: list[_Held] = []  # tasks begun since the reporter's last pass
         self._report_ready: trio.Event | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -212,11 +213,11 @@ class WorkerAgent:
         async def on_output(stream: str, data: bytes) -> None:
             await self._send_output(ticket, stream, data)
 
-        # Not awaited: the answer to a start report changes nothing here, and the task should
-        # not wait a round trip to begin. It leaves before any later report of the run (one
-        # connection, in order); lost with a broken connection, the run is still announced
-        # as held by the hello after the reconnect, and its final report is retried.
-        started = self.client.notify("worker.started", {"run_id": rid, "token": ticket.token})
+        # The start report goes with the reporter's next pass, if the task still runs then:
+        # the task does not wait for it, and a task that ends in its first step (an instant
+        # payload handler) needs none (CLAIMED -> final is a transition of its own).
+        self._to_start.append(held)
+        self._wake_reporter()
         try:
             if "payload" in ticket.task:
                 if self.payload_handler is None:
@@ -239,11 +240,6 @@ class WorkerAgent:
         except TaskNotRunnable as exc:
             await on_output("stderr", f"tickwheel: {exc}\n".encode())
             outcome, code = "failed", None
-        if started is not None:
-            # A task that ended before its start report left (an instant payload handler):
-            # the final report alone says it all (CLAIMED -> final is a transition of its
-            # own), one report, engine command and record per run fewer.
-            self.client.withdraw(started)
         held.outcome = (outcome, code)
         self.running -= 1
         self.completed += 1
@@ -266,20 +262,39 @@ class WorkerAgent:
     def _send_finished(self, rid: str) -> None:
         """Queue the final report for the reporter task (the run's task ends now)."""
         self._to_report.append(rid)
+        self._wake_reporter()
+
+    def _wake_reporter(self) -> None:
         ready = self._report_ready
         if ready is not None:
             self._report_ready = None
             ready.set()
 
+    def _send_starts(self) -> None:
+        """The start reports of tasks queued since the last pass that still run. Not
+        answered: the answer changes nothing here. Each leaves before any later report of its
+        run (one connection, in order); lost with a broken connection, the run is still
+        announced as held by the hello after the reconnect."""
+        starts, self._to_start = self._to_start, []
+        for held in starts:
+            ticket = held.ticket
+            if held.outcome is None and self.held.get(ticket.run_id) is held:
+                self.client.notify(
+                    "worker.started", {"run_id": ticket.run_id, "token": ticket.token}
+                )
+
     async def _reporter(self) -> None:
-        """Sends the queued final reports, all of a pass of the loop in one
-        ``worker.finished_many``, answered by callback. Without a connection, or when the
-        answer is a lost connection, each is sent again: by a task that retries, or by the
-        hello after the reconnect."""
+        """Sends the start reports of tasks that still run (:meth:`_send_starts`), then the
+        queued final reports, all of a pass of the loop in one ``worker.finished_many``,
+        answered by callback. Without a connection, or when the answer is a lost connection,
+        each final report is sent again: by a task that retries, or by the hello after the
+        reconnect."""
         while True:
-            if not self._to_report:
+            if not self._to_report and not self._to_start:
                 ready = self._report_ready = trio.Event()
                 await ready.wait()
+            if self._to_start:
+                self._send_starts()
             rids, self._to_report = self._to_report, []
             batch: list[tuple[str, _Held]] = []
             for rid in rids:
