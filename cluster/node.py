@@ -685,6 +685,17 @@ _REPORT_FIELDS: Final = _REPORT_REQUIRED | {"exit_code"}
 def _finished_report(worker_id: str, index: int, report: object) -> ReportFinished:
     """Report ``index`` of a ``worker.finished_many``, checked as ``worker.finished``'s args
     are; :class:`BadArgs` naming ``reports[index].field`` otherwise."""
+    if type(report) is dict and report.keys() <= _REPORT_FIELDS:
+        # The usual report, checked without building anything (one a finished run).
+        run_id, token = report.get("run_id"), report.get("token")
+        outcome, exit_code = report.get("outcome"), report.get("exit_code")
+        if (
+            type(run_id) is str
+            and type(token) is int
+            and type(outcome) is str
+            and (exit_code is None or type(exit_code) is int)
+        ):
+            return ReportFinished(worker_id, run_id, token, outcome, exit_code)
     where = f"reports[{index}]"
     if not isinstance(report, dict):
         raise BadArgs(f"{where}: must be a map", None, where)
