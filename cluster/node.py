@@ -37,7 +37,7 @@ from typing import Any, Final
 import trio
 
 from cluster.codec import DEFAULT_MAX_FRAME, FrameDecoder, Message, ProtocolError, encode
-from cluster.protocol import MAX_LIMIT, BadArgs, Request, error, ok, parse_request, push
+from cluster.protocol import MAX_BATCH, MAX_LIMIT, BadArgs, Request, error, ok, parse_request, push
 from cluster.rawio import RawSocketIO
 from engine.effects import (
     CancelJob,
@@ -300,8 +300,6 @@ class ShardHost:
                 self.turn()
             finally:
                 node.end_batch()
-            if self.since_snapshot >= SNAPSHOT_EVERY_RECORDS and not self.snapshot_pending:
-                self._start_snapshot()
 
     def turn(self) -> None:
         """One engine call for everything pending (or a tick when nothing is), one batch."""
@@ -336,6 +334,14 @@ class ShardHost:
             # A bug, not bad input (commands' errors are replies): keep serving the shard's
             # other work rather than take the node down.
             log.exception("shard %d: engine error", self.index)
+        finally:
+            # After every turn, the loop's own or an inline one (turn_now): most turns of a
+            # node serving lone requests and worker reports are inline.
+            if self.since_snapshot >= SNAPSHOT_EVERY_RECORDS and not self.snapshot_pending:
+                try:
+                    self._start_snapshot()
+                except RuntimeError:  # the node is stopping: its clean stop stores one
+                    log.info("shard %d: snapshot skipped, the node is stopping", self.index)
 
     def route(self, effects: Iterable[Effect]) -> None:
         node = self.node
@@ -400,6 +406,13 @@ class ShardHost:
             self.turn_now()
         finally:
             node.end_batch()
+
+    def wake(self) -> None:
+        """Wake the loop if it sleeps."""
+        wakeup = self.wakeup
+        if wakeup is not None:
+            self.wakeup = None
+            wakeup.set()
 
     def turn_now(self) -> None:
         """If the loop sleeps, its turn runs at once (replies leave now, not after another
@@ -508,8 +521,12 @@ class Connection:
                 nursery.start_soon(self._writer)
                 await self._reader(nursery)
                 nursery.cancel_scope.cancel()
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass
+        except* (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # the peer went away or reset: this connection ends, nothing else
+        except* Exception:
+            # A bug met while serving this connection: it ends, the node and the others go
+            # on. (Errors leave the nursery grouped, so a plain except would never match.)
+            log.exception("connection failed")
         finally:
             self.closed = True
             if self.worker is not None and self.node.workers.get(self.worker.worker_id) is (
@@ -555,7 +572,7 @@ class Connection:
         data = out[0] if len(out) == 1 else b"".join(out)
         try:
             sent = self.io.try_send(data)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
+        except Exception:
             sent = 0  # the writer meets the same error and ends the connection
         self.out = [data[sent:]] if sent < len(data) else []
         if self.out:
@@ -699,7 +716,7 @@ def _finished_report(worker_id: str, index: int, report: object) -> ReportFinish
     where = f"reports[{index}]"
     if not isinstance(report, dict):
         raise BadArgs(f"{where}: must be a map", None, where)
-    unknown = sorted(report.keys() - _REPORT_FIELDS)
+    unknown = sorted(report.keys() - _REPORT_FIELDS, key=repr)  # (str and bytes keys)
     missing = sorted(_REPORT_REQUIRED - report.keys())
     if unknown or missing:
         name = (unknown or missing)[0]
@@ -815,10 +832,16 @@ class Node:
                 while self.turn_due:
                     hosts, self.turn_due = self.turn_due, {}
                     for host in hosts:
-                        host.turn_now()
+                        try:
+                            host.turn_now()
+                        except Exception:
+                            # A bug (engine errors are handled in turn): its loop takes the
+                            # commands instead, and every other host and writer still runs.
+                            log.exception("shard %d: inline turn failed", host.index)
+                            host.wake()
                 conns, self.unsent = self.unsent, {}
                 for conn in conns:
-                    conn.write_now()
+                    conn.write_now()  # never raises
         finally:
             self.batching = 0
 
@@ -1237,13 +1260,29 @@ class Node:
         its shard as its own report would."""
         session = conn.worker
         assert session is not None
-        commands = [
-            _finished_report(session.worker_id, i, r) for i, r in enumerate(args["reports"])
-        ]
-        for command in commands:
-            self._host_of_run(command.run_id, final=True).tell(command)
-        if "credits" in args:
-            self._pull(conn, {"credits": args["credits"]})
+        reports = args["reports"]
+        if len(reports) > MAX_BATCH:
+            raise BadArgs(f"reports: at most {MAX_BATCH} per request", None, "reports")
+        credits = args.get("credits")
+        if credits is not None and credits < 0:
+            raise BadArgs("credits: must be >= 0", None, "credits")
+        commands = [_finished_report(session.worker_id, i, r) for i, r in enumerate(reports)]
+        shards = []
+        for i, command in enumerate(commands):
+            shard = self.run_shards.get(command.run_id)
+            if shard is None:
+                try:
+                    shard = shard_of_run(command.run_id, self.shards)
+                except EngineError as exc:
+                    field = f"reports[{i}].run_id"
+                    raise BadArgs(f"{field}: {exc}", None, field) from None
+            shards.append(shard)
+        # Checked whole: now each report goes to its shard, as its own worker.finished would.
+        for command, shard in zip(commands, shards, strict=True):
+            self.run_shards.pop(command.run_id, None)
+            self.hosts[shard].tell(command)
+        if credits is not None:
+            self._pull(conn, {"credits": credits})
         return {}
 
     def _host_of_run(self, rid: str, *, final: bool = False) -> ShardHost:

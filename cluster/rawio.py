@@ -26,15 +26,17 @@ READ_BYTES: Final = 64 * 1024
 #: socket full must not keep the other tasks from running.
 READS_BEFORE_YIELD: Final = 16
 
-_BROKEN: Final = frozenset({errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.ETIMEDOUT})
+#: Errors that mean the socket itself is gone (closed here); any other OSError means the
+#: connection broke (reset, unreachable, aborted, timed out): the rule of Trio's own streams.
+_CLOSED: Final = frozenset({errno.EBADF, errno.ENOTSOCK})
 
 
 class RawSocketIO:
     """``receive_some`` and ``send_all`` of ``stream`` without its schedule points.
 
     Guarantees: bytes come and go in order, as the stream's would; a closed stream raises
-    :class:`trio.ClosedResourceError`; a peer that reset or went away raises
-    :class:`trio.BrokenResourceError`; a wait is a checkpoint (cancellable) as the stream's
+    :class:`trio.ClosedResourceError`; a peer that reset or went away, and every other error
+    of the socket, raises :class:`trio.BrokenResourceError`; a wait is a checkpoint (cancellable) as the stream's
     calls are. Unlike the stream's, a call that finds the socket ready does not yield (but one
     in :data:`READS_BEFORE_YIELD` reads does).
     """
@@ -93,8 +95,6 @@ class RawSocketIO:
 
 
 def _translate(exc: OSError) -> Exception:
-    if exc.errno in _BROKEN:
-        return trio.BrokenResourceError(f"the connection broke: {exc}")
-    if exc.errno == errno.EBADF:
+    if exc.errno in _CLOSED:
         return trio.ClosedResourceError("the connection is closed")
-    return exc
+    return trio.BrokenResourceError(f"the connection broke: {exc}")

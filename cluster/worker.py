@@ -363,11 +363,19 @@ class WorkerAgent:
                     self.nursery.start_soon(self._report_finished, rid)
 
     def _batch_answered(self, batch: list[tuple[str, _Held]], answer: Any) -> None:
-        if isinstance(answer, RemoteError) and answer.code == "not_a_worker":
-            # The node forgot us: one hello, which reports every finished run again.
+        if isinstance(answer, RemoteError):
             for _rid, held in batch:
                 held.reporting = False
-            self.nursery.start_soon(self._hello)
+            if answer.code == "not_a_worker":
+                # The node forgot us: one hello, which reports every finished run again.
+                self.nursery.start_soon(self._hello)
+                return
+            # The batch was refused whole (a node without worker.finished_many, a report it
+            # found malformed): nothing of it was taken, so each report goes again alone, and
+            # the node answers each for itself.
+            log.warning("worker.finished_many refused (%s): reporting one by one", answer)
+            for rid, _held in batch:
+                self.nursery.start_soon(self._report_finished, rid)
             return
         for rid, _held in batch:
             self._finished_answered(rid, answer)

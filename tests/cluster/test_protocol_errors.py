@@ -9,6 +9,7 @@ own node and stops it by cancelling it, which closes its stores as SIGTERM would
 
 from __future__ import annotations
 
+import socket
 import struct
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -285,12 +286,17 @@ def test_a_batch_of_final_reports_is_checked_whole_before_any_is_taken(tmp_path:
             ({"run_id": "j@2", "token": 1}, "reports[1].outcome"),
             ({"run_id": "j@2", "token": 1, "outcome": "success", "x": 1}, "reports[1].x"),
             ({"run_id": 5, "token": 1, "outcome": "success"}, "reports[1].run_id"),
+            ({"run_id": "no-at-sign", "token": 1, "outcome": "success"}, "reports[1].run_id"),
             ({"run_id": "j@2", "token": 1, "outcome": "success", "exit_code": "0"}, None),
         ):
             reply = await raw.call("worker.finished_many", {"reports": [refused_by_engine, bad]})
             assert error_of(reply) == ("bad_args", field or "reports[1].exit_code"), bad
         reply = await raw.call("worker.finished_many", {"reports": "no list"})
         assert error_of(reply) == ("bad_args", "reports")
+        reply = await raw.call(
+            "worker.finished_many", {"reports": [refused_by_engine], "credits": -1}
+        )
+        assert error_of(reply) == ("bad_args", "credits")
         # Nothing of a refused batch was applied: the engine never saw the first report.
         for _ in range(20):
             assert (await raw.call("ping"))["ok"]
@@ -597,3 +603,21 @@ def test_protocol_md_documents_every_op_and_every_error_code() -> None:
     for name in ("DEFAULT_MAX_FRAME", "MAX_IN_FLIGHT", "MAX_LIMIT", "MAX_BATCH", "MAX_TASK_BYTES"):
         assert name in doc
     assert f"{DEFAULT_MAX_FRAME:,}" in doc and f"{MAX_TASK_BYTES:,}" in doc
+
+
+def test_a_peer_that_resets_its_connection_harms_no_one(tmp_path: Path) -> None:
+    """An RST (a peer killed, a flaky link) ends that connection only; the node serves on."""
+
+    async def body(port: int) -> None:
+        other = await Raw.open(port)
+        for _ in range(3):
+            sock = trio.socket.socket()
+            await sock.connect(("127.0.0.1", port))
+            await sock.send(struct.pack(">I", 3) + b"\x80")  # half a request, then a reset
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            sock.close()
+            await trio.sleep(0.05)
+        assert (await other.call("ping"))["ok"] is True
+        await other.aclose()
+
+    run_with_node(tmp_path, body)

@@ -3,6 +3,7 @@ writes, a closed stream, a peer gone, yielding to other tasks, cancellation."""
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 
@@ -114,6 +115,34 @@ def test_a_waiting_read_is_cancellable() -> None:
         with trio.move_on_after(0.02) as scope:
             await RawSocketIO(right).receive_some()
         assert scope.cancelled_caught
+        await left.aclose()
+        await right.aclose()
+
+    trio.run(main)
+
+
+def test_any_socket_error_is_a_broken_resource(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As Trio's own streams: EBADF and ENOTSOCK mean closed, every other error broken (an
+    unreachable host must end the connection, never escape as a bare OSError)."""
+
+    async def main() -> None:
+        left, right = await _pair()
+        io = RawSocketIO(left)
+        for code, expected in (
+            (errno.EHOSTUNREACH, trio.BrokenResourceError),
+            (errno.ECONNABORTED, trio.BrokenResourceError),
+            (errno.ENOTSOCK, trio.ClosedResourceError),
+        ):
+
+            def fail(*_args: object, code: int = code) -> int:
+                raise OSError(code, os.strerror(code))
+
+            monkeypatch.setattr(os, "write", fail)
+            with pytest.raises(expected):
+                await io.send_all(b"x")
+            with pytest.raises(expected):
+                io.try_send(b"x")
+            monkeypatch.undo()
         await left.aclose()
         await right.aclose()
 
