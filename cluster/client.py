@@ -29,7 +29,7 @@ from typing import Any
 import trio
 
 from cluster.codec import DEFAULT_MAX_FRAME, FrameDecoder, Message, ProtocolError, encode
-from cluster.rawio import RawSocketIO
+from cluster.rawio import Outbox, RawSocketIO
 from engine.jobs import new_job_id
 
 DEFAULT_TIMEOUT_S = 30.0
@@ -80,38 +80,6 @@ def parse_address(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
-class _Outbox:
-    """The frames waiting to go out on one connection, and its writer's wake-up."""
-
-    __slots__ = ("frames", "io", "ready")
-
-    def __init__(self, io: RawSocketIO) -> None:
-        self.frames: list[bytes] = []
-        self.ready: trio.Event | None = None  # set while the writer waits for frames
-        self.io = io
-
-    def put(self, frame: bytes) -> None:
-        self.frames.append(frame)
-        ready = self.ready
-        if ready is not None:
-            self.ready = None
-            ready.set()
-
-    def put_alone(self, frame: bytes) -> None:
-        """:meth:`put` for a request alone in flight on its connection: written at once when
-        the writer is idle (a pass of Trio's loop sooner). With others in flight the writer
-        gathers them into one write instead, which is cheaper than one write each."""
-        if self.ready is None or self.frames:
-            self.put(frame)
-            return
-        try:
-            sent = self.io.try_send(frame)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            sent = 0  # the writer meets the same error and ends the connection
-        if sent < len(frame):
-            self.put(frame[sent:])
-
-
 class Client:
     """A connection to one node. Open with ``async with Client.connect(host, port) as client``. Safe to use from many tasks at once."""
 
@@ -132,7 +100,7 @@ class Client:
         # request id -> what its reply wakes: a waiting task's (event, box), or a callback
         self._waiting: dict[int, tuple[trio.Event, list[Message]] | Callable[[Message], None]] = {}
         self._stream: trio.SocketStream | None = None
-        self._outbox: _Outbox | None = None  # the current connection's
+        self._outbox: Outbox | None = None  # the current connection's
         self._connected = trio.Event()
         self._nursery: trio.Nursery | None = None
         self._closed = False
@@ -200,7 +168,7 @@ class Client:
                 await trio.sleep(delay)
                 delay = min(delay * 2, 1.0)
         self._stream = stream
-        self._outbox = outbox = _Outbox(RawSocketIO(stream))
+        self._outbox = outbox = Outbox(RawSocketIO(stream))
         self.generation += 1
         assert self._nursery is not None
         self._nursery.start_soon(self._reader, stream)
@@ -245,19 +213,13 @@ class Client:
                 assert self._nursery is not None
                 self._nursery.start_soon(self._reconnect)
 
-    async def _writer(self, stream: trio.SocketStream, outbox: _Outbox) -> None:
+    async def _writer(self, stream: trio.SocketStream, outbox: Outbox) -> None:
         """Sends what requests queued: everything queued while the previous send was in flight
         leaves in one send (many requests in flight cost few system calls, and a request
         never waits for a lock). A failed send closes the stream: the reader then fails every
         request waiting, which are retried after the reconnect."""
-        io = outbox.io
         try:
-            while True:
-                if not outbox.frames:
-                    ready = outbox.ready = trio.Event()
-                    await ready.wait()
-                frames, outbox.frames = outbox.frames, []
-                await io.send_all(frames[0] if len(frames) == 1 else b"".join(frames))
+            await outbox.run()
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             with trio.move_on_after(1) as scope:
                 scope.shield = True
@@ -383,7 +345,10 @@ class Client:
         waiting = self._waiting
         waiting[request_id] = (event, box)
         if len(waiting) == 1:
-            outbox.put_alone(frame)
+            # Alone in flight on its connection: written at once if the writer is idle. With
+            # others in flight the writer gathers them into one write, cheaper than one each.
+            outbox.frames.append(frame)
+            outbox.write_now()
         else:
             outbox.put(frame)
         try:

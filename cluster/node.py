@@ -38,7 +38,7 @@ import trio
 
 from cluster.codec import DEFAULT_MAX_FRAME, FrameDecoder, Message, ProtocolError, encode
 from cluster.protocol import MAX_BATCH, MAX_LIMIT, BadArgs, Request, error, ok, parse_request, push
-from cluster.rawio import RawSocketIO
+from cluster.rawio import Outbox, RawSocketIO
 from engine.effects import (
     CancelJob,
     ClockJump,
@@ -251,15 +251,11 @@ class ShardHost:
         meanwhile. Pulls only set a count, so the newest one alone says the same."""
         if self.failed is None:
             self.credits_changed[worker_id] = None
-            wakeup = self.wakeup
-            if wakeup is not None:
-                self.wakeup = None
-                wakeup.set()
+            self.wake()
 
     def _push(self, command: Command) -> None:
         self.pending.append(command)
-        wakeup = self.wakeup
-        if wakeup is not None:
+        if self.wakeup is not None:
             node = self.node
             if node.batching and node.in_flight <= 1:
                 # The loop sleeps, the node is in a batch, and no other request is in flight
@@ -268,9 +264,8 @@ class ShardHost:
                 # requests in flight, more are likely to arrive in this pass of the loop: the
                 # loop's own turn then takes them all as one engine call and one batch.
                 node.turn_due[self] = None
-                return
-            self.wakeup = None
-            wakeup.set()
+            else:
+                self.wake()
 
     # ------------------------------------------------------------------ the loop
 
@@ -294,12 +289,8 @@ class ShardHost:
                         with trio.move_on_after(timeout):
                             await wakeup.wait()
                 self.wakeup = None
-            node = self.node
-            node.begin_batch()
-            try:
+            with self.node.batch:
                 self.turn()
-            finally:
-                node.end_batch()
 
     def turn(self) -> None:
         """One engine call for everything pending (or a tick when nothing is), one batch."""
@@ -400,12 +391,8 @@ class ShardHost:
             return
         # The engine releases everything held up to this batch: one command for the group.
         self.pending.append(Durable(tickets[-1].batch_id))
-        node = self.node
-        node.begin_batch()
-        try:
+        with self.node.batch:
             self.turn_now()
-        finally:
-            node.end_batch()
 
     def wake(self) -> None:
         """Wake the loop if it sleeps."""
@@ -418,14 +405,12 @@ class ShardHost:
         """If the loop sleeps, its turn runs at once (replies leave now, not after another
         pass of Trio's loop), and the loop wakes only if its deadline went stale meanwhile or
         more is pending. If it is awake or about to run, its next turn takes what is pending."""
-        wakeup = self.wakeup
-        if wakeup is None:
+        if self.wakeup is None:
             return
         self.turn()
         wake = self.engine.next_wakeup_mono()
         if self.pending or self.credits_changed or (wake is not None and wake < self.sleeps_until):
-            self.wakeup = None
-            wakeup.set()
+            self.wake()
 
     def _fail(self, exc: StoreError) -> None:
         """A store failure stops the shard: nothing more is acknowledged."""
@@ -505,10 +490,9 @@ class Connection:
         self.stream = stream
         self.io = RawSocketIO(stream)  # the stream's bytes without its schedule points
         self.decoder = FrameDecoder(node.max_frame)
-        # Frames waiting for the writer task: a list and a wake-up (cheaper than a channel),
-        # bounded: a peer that sends without reading must not grow the node's memory.
-        self.out: list[bytes] = []
-        self.out_ready: trio.Event | None = None  # set while the writer waits for frames
+        # Frames waiting for the writer task, bounded (MAX_QUEUED_REPLIES): a peer that sends
+        # without reading must not grow the node's memory.
+        self.outbox = Outbox(self.io)
         self.scope: trio.CancelScope | None = None
         self.limiter = trio.Semaphore(MAX_IN_FLIGHT)
         self.worker: WorkerSession | None = None
@@ -518,7 +502,7 @@ class Connection:
         try:
             async with trio.open_nursery() as nursery:
                 self.scope = nursery.cancel_scope
-                nursery.start_soon(self._writer)
+                nursery.start_soon(self.outbox.run)
                 await self._reader(nursery)
                 nursery.cancel_scope.cancel()
         except* (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -546,48 +530,25 @@ class Connection:
             # Never leave a request unanswered: say that its reply could not be encoded.
             log.error("cannot encode a reply: %s", exc)
             frame = encode(error(message.get("id"), "internal", "reply could not be encoded"))
-        out = self.out
-        if len(out) >= MAX_QUEUED_REPLIES:
+        outbox = self.outbox
+        if len(outbox.frames) >= MAX_QUEUED_REPLIES:
             log.warning("a peer left %d replies unread: closing it", MAX_QUEUED_REPLIES)
             self.closed = True
             if self.scope is not None:
                 self.scope.cancel()
             return
-        out.append(frame)
-        ready = self.out_ready
-        if ready is not None:
+        outbox.frames.append(frame)
+        if outbox.idle:
             if self.node.batching:
                 self.node.unsent[self] = None  # written when the batch ends (write_now)
-                return
-            self.out_ready = None
-            ready.set()
+            else:
+                outbox.wake()
 
     def write_now(self) -> None:
         """What is queued, written now if the writer task is idle (one system call, no pass
         of Trio's loop); what does not fit, or any failure, goes to the writer task."""
-        ready = self.out_ready
-        if ready is None or not self.out or self.closed:
-            return  # the writer is busy or woken already: it takes the queue
-        out = self.out
-        data = out[0] if len(out) == 1 else b"".join(out)
-        try:
-            sent = self.io.try_send(data)
-        except Exception:
-            sent = 0  # the writer meets the same error and ends the connection
-        self.out = [data[sent:]] if sent < len(data) else []
-        if self.out:
-            self.out_ready = None
-            ready.set()
-
-    async def _writer(self) -> None:
-        # Everything queued while the previous send was in flight leaves in one send: replies
-        # of a whole turn (or group commit) cost one system call, not one each.
-        while True:
-            if not self.out:
-                ready = self.out_ready = trio.Event()
-                await ready.wait()
-            chunks, self.out = self.out, []
-            await self.io.send_all(chunks[0] if len(chunks) == 1 else b"".join(chunks))
+        if not self.closed:
+            self.outbox.write_now()
 
     async def _reader(self, nursery: trio.Nursery) -> None:
         while True:
@@ -595,17 +556,14 @@ class Connection:
             if not data:
                 return
             self.decoder.feed(data)
-            node = self.node
-            node.begin_batch()
-            try:
+            with self.node.batch:
                 await self._handle_events(nursery)
-            finally:
-                node.end_batch()
 
     async def _handle_events(self, nursery: trio.Nursery) -> None:
         """Every whole request read so far. Runs inside a batch of the node's
-        (:meth:`Node.begin_batch`), which it ends around each of its waits: a batch must never
-        span a wait, or the replies other tasks make meanwhile would wait for it."""
+        (:attr:`Node.batch`), which it leaves around each of its waits (:attr:`Node.unbatched`):
+        a batch must never span a wait, or the replies other tasks make meanwhile would wait
+        for it."""
         node = self.node
         handled = 0
         while (event := self.decoder.next_event()) is not None:
@@ -613,11 +571,8 @@ class Connection:
             if handled % YIELD_EVERY == 0:
                 # A read may hold thousands of requests: let the shards' loops (fires,
                 # acknowledgements) and the other connections in between.
-                node.end_batch()
-                try:
+                with node.unbatched:
                     await trio.lowlevel.checkpoint()
-                finally:
-                    node.begin_batch()
             if isinstance(event, ProtocolError):
                 self.send(error(event.request_id, event.code, event.message))
                 continue
@@ -645,17 +600,13 @@ class Connection:
         """A place among the requests in flight; waits only when there is none. (An
         ``await acquire()`` always yields: a pass of Trio's loop per request, which doubled
         the cost of a request pipelined behind hundreds of others.) Called inside the
-        reader's batch, which it ends while it waits (the replies that free places are
+        reader's batch, which it leaves while it waits (the replies that free places are
         written by other batches)."""
         try:
             self.limiter.acquire_nowait()
         except trio.WouldBlock:
-            node = self.node
-            node.end_batch()
-            try:
+            with self.node.unbatched:
                 await self.limiter.acquire()
-            finally:
-                node.begin_batch()
         self.node.in_flight += 1
 
     def _release(self) -> None:
@@ -770,6 +721,28 @@ class WorkerSession:
 # =============================================================================== the node
 
 
+class _Batch:
+    """A node's batch as a context: ``opens`` begins it on entry and ends it on exit; the
+    other way round steps out of the caller's batch for a wait."""
+
+    __slots__ = ("_node", "_opens")
+
+    def __init__(self, node: Node, *, opens: bool) -> None:
+        self._node, self._opens = node, opens
+
+    def __enter__(self) -> None:
+        if self._opens:
+            self._node.begin_batch()
+        else:
+            self._node.end_batch()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._opens:
+            self._node.end_batch()
+        else:
+            self._node.begin_batch()
+
+
 class Node:
     """Every shard of ``data_dir``, served on ``host:port``."""
 
@@ -811,6 +784,8 @@ class Node:
         self.in_flight = 0  # requests admitted (Connection._admit) and not answered yet
         self.turn_due: dict[ShardHost, None] = {}
         self.unsent: dict[Connection, None] = {}
+        self.batch = _Batch(self, opens=True)  # ``with node.batch:`` begin .. end
+        self.unbatched = _Batch(self, opens=False)  # a wait inside a batch: end .. begin
         self.nursery: trio.Nursery
         self.shards = 0
         self.epoch = 0
@@ -818,6 +793,7 @@ class Node:
     # ------------------------------------------------------------------ batches
 
     def begin_batch(self) -> None:
+        """Open a batch (``with node.batch:``); batches nest."""
         self.batching += 1
 
     def end_batch(self) -> None:
