@@ -285,17 +285,16 @@ class WorkerAgent:
         self.completed += 1
         self._send_finished(rid)
 
-    def _finished_args(self, rid: str, held: _Held) -> dict[str, Any]:
+    @staticmethod
+    def _report_of(rid: str, held: _Held) -> dict[str, Any]:
+        """The final report of a run with an outcome (``worker.finished``'s fields)."""
         assert held.outcome is not None
         outcome, code = held.outcome
+        return {"run_id": rid, "token": held.ticket.token, "outcome": outcome, "exit_code": code}
+
+    def _finished_args(self, rid: str, held: _Held) -> dict[str, Any]:
         # The free slots ride along: one request per finished run instead of two.
-        return {
-            "run_id": rid,
-            "token": held.ticket.token,
-            "outcome": outcome,
-            "exit_code": code,
-            "credits": self._free(),
-        }
+        return {**self._report_of(rid, held), "credits": self._free()}
 
     def _send_finished(self, rid: str) -> None:
         """Queue the final report for the reporter task (the run's task ends now)."""
@@ -342,19 +341,12 @@ class WorkerAgent:
                     batch.append((rid, held))
             if not batch:
                 continue
-            reports = [
-                {
-                    "run_id": rid,
-                    "token": held.ticket.token,
-                    "outcome": held.outcome[0],
-                    "exit_code": held.outcome[1],
-                }
-                for rid, held in batch
-                if held.outcome is not None
-            ]
             sent = self.client.send_then(
                 "worker.finished_many",
-                {"reports": reports, "credits": self._free()},
+                {
+                    "reports": [self._report_of(rid, held) for rid, held in batch],
+                    "credits": self._free(),
+                },
                 partial(self._batch_answered, batch),
             )
             if not sent:
@@ -381,17 +373,13 @@ class WorkerAgent:
             self._finished_answered(rid, answer)
 
     def _finished_answered(self, rid: str, answer: Any) -> None:
+        """A batch's answer other than a refusal, for one of its runs."""
         held = self.held.get(rid)
         if held is None:
             return
         held.reporting = False
         if isinstance(answer, ConnectionLost):
             return  # the hello after the reconnect reports it again
-        if isinstance(answer, RemoteError):
-            if answer.code == "not_a_worker":  # the node forgot us: hello, which reports it
-                self.nursery.start_soon(self._hello)
-                return
-            log.warning("worker.finished refused: %s", answer)  # final: not wanted again
         self.held.pop(rid, None)
         self.acknowledged(rid)
 
