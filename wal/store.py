@@ -548,7 +548,7 @@ class ShardStore:
         # The log value is msgpack [batch id, epoch, [records]], assembled from the records'
         # bytes already encoded above instead of encoding every record twice.
         n = len(encoded)
-        header = _FIXARRAY[n] if n < 16 else _array_header(n)
+        header = _array_header(n)
         log_value = b"".join((b"\x93", pack(batch.batch_id), pack(batch.epoch), header, *encoded))
         # The size bounds a group's memory (CommitPolicy.max_bytes): the routed copies are
         # about as large as the log value again.
@@ -593,7 +593,7 @@ class ShardStore:
                 put(_U64_PACK(seq), prepared[0].log_value, h[_LOG])
             else:
                 n = len(prepared)
-                header = _FIXARRAY[n] if n < 16 else _array_header(n)
+                header = _array_header(n)
                 put(_U64_PACK(seq), b"".join([header, *[p.log_value for p in prepared]]), h[_LOG])
             puts = [e for p in prepared for e in p.puts]
             # In key order per family (stable: a key written twice keeps its order): each
