@@ -94,6 +94,13 @@ class Raw:
         assert reply["id"] == self.next_id, reply
         return reply
 
+    async def first_push(self) -> Message:
+        """The first push, pinging until one came (pushes arrive between replies)."""
+        with trio.fail_after(5):
+            while not self.pushes:
+                assert (await self.call("ping"))["ok"]
+        return self.pushes[0]
+
     async def aclose(self) -> None:
         await self.stream.aclose()
 
@@ -263,10 +270,8 @@ def test_worker_ops_need_a_hello_and_bad_reports_are_refused(tmp_path: Path) -> 
             "worker.finished", {"run_id": "j@1", "token": 1, "outcome": "exploded"}
         )
         assert reply["ok"] is True
-        with trio.fail_after(5):
-            while not raw.pushes:
-                assert (await raw.call("ping"))["ok"]
-        assert raw.pushes[0]["push"] == "refused" and raw.pushes[0]["code"] == "invalid"
+        push = await raw.first_push()
+        assert push["push"] == "refused" and push["code"] == "invalid"
         await raw.aclose()
 
     run_with_node(tmp_path, body)
@@ -306,10 +311,8 @@ def test_a_batch_of_final_reports_is_checked_whole_before_any_is_taken(tmp_path:
             "worker.finished_many", {"reports": [refused_by_engine], "credits": 0}
         )
         assert reply["ok"] is True and reply["result"] == {}
-        with trio.fail_after(5):
-            while not raw.pushes:
-                assert (await raw.call("ping"))["ok"]
-        assert raw.pushes[0]["push"] == "refused" and raw.pushes[0]["code"] == "invalid"
+        push = await raw.first_push()
+        assert push["push"] == "refused" and push["code"] == "invalid"
         await raw.aclose()
 
     run_with_node(tmp_path, body)
