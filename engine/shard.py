@@ -188,21 +188,33 @@ class _Profile:
         # The jitter id is not part of it: equal schedules (jitter offset included) are equal.
         return (self.schedule, self.policy, self.after)
 
-    def to_dict(self, policy: dict[str, object] | None = None) -> dict[str, Any]:
-        """The stored form; ``policy``, when given, is ``self.policy.to_dict()`` already made."""
+    def to_dict(self, policy: int) -> dict[str, Any]:
+        """The stored form, naming its policy by ``policy``, its index in the snapshot's
+        table of policies."""
         return {
             "schedule": None if self.schedule is None else self.schedule.to_spec(),
             "jitter_id": self.jitter_id,
-            "policy": self.policy.to_dict() if policy is None else policy,
+            "policy": policy,
             "after": list(self.after),
         }
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> _Profile:
+    def from_dict(cls, d: Mapping[str, Any], policies: list[Policy]) -> _Profile:
+        """The profile of a stored form: its policy an index into ``policies`` (the snapshot's
+        table) or, as snapshots written before that table held, a policy object of its own."""
         schedule = d["schedule"]
+        stored = d["policy"]
+        if isinstance(stored, int) and not isinstance(stored, bool):
+            if not 0 <= stored < len(policies):
+                raise EngineStateError(
+                    f"snapshot profile names policy {stored}; the table holds {len(policies)}"
+                )
+            policy = policies[stored]
+        else:
+            policy = parse_policy(stored)
         return cls(
             None if schedule is None else parse_schedule(schedule, job_id=d["jitter_id"]),
-            parse_policy(d["policy"]),
+            policy,
             tuple(d["after"]),
             d["jitter_id"],
         )
@@ -711,19 +723,29 @@ class ShardEngine:
             self._profiles.append(profile)
         return pid
 
-    def _profile_dicts(self) -> list[dict[str, Any]]:
-        """Every profile's dict form, in order, for a snapshot. Profiles sharing a policy share
-        its dict (a shard has few policies but, with ``every`` jobs, thousands of profiles:
-        rendering each policy again was most of an export). Kept for this export only, so a
-        snapshot costs no memory after it; nobody may change the dicts."""
-        policies: dict[Policy, dict[str, object]] = {}
+    def _profile_dicts(self) -> tuple[list[dict[str, object]], list[dict[str, Any]]]:
+        """(policies, profiles) for a snapshot: each distinct policy's dict once, and every
+        profile's dict form, in order, naming its policy by index in that table.
+
+        A shard has few policies but, with ``every`` jobs, thousands of profiles: rendering
+        each profile's policy at export and parsing it again at recovery was most of both.
+        Profiles mostly share one policy object (parsing interns them), so the table is found
+        by identity first and by value only for an object not seen yet. O(profiles)."""
+        by_object: dict[int, int] = {}
+        by_value: dict[Policy, int] = {}
+        policies: list[dict[str, object]] = []
         out: list[dict[str, Any]] = []
         for profile in self._profiles:
-            policy = policies.get(profile.policy)
-            if policy is None:
-                policy = policies[profile.policy] = profile.policy.to_dict()
-            out.append(profile.to_dict(policy))
-        return out
+            policy = profile.policy
+            index = by_object.get(id(policy))  # every profile keeps its policy alive meanwhile
+            if index is None:
+                index = by_value.get(policy)
+                if index is None:
+                    index = by_value[policy] = len(policies)
+                    policies.append(policy.to_dict())
+                by_object[id(policy)] = index
+            out.append(profile.to_dict(index))
+        return policies, out
 
     def _profile(self, key: int) -> _Profile:
         return self._profiles[self._prof[key]]
@@ -1821,6 +1843,7 @@ class ShardEngine:
             self._run_record(run, buffered=self._buffered.get(run.key) == run.at)
             for run in sorted(self._runs.values(), key=lambda r: r.ref)
         ]
+        policies, profiles = self._profile_dicts()
         return Snapshot(
             arrays={
                 "ver": np.frombuffer(self._ver, dtype=np.uint32)[:n].copy(),
@@ -1833,7 +1856,8 @@ class ShardEngine:
                 "epoch": self.epoch,
                 "batch": self._batch,
                 "next_key": n,
-                "profiles": self._profile_dicts(),
+                "policies": policies,
+                "profiles": profiles,
                 "held_next": sorted(self._held_next.items()),
                 "runs": runs,
                 "outbox": [self._outbox[seq] for seq in sorted(self._outbox)],
@@ -1849,7 +1873,10 @@ class ShardEngine:
             raise EngineStateError(f"snapshot format {meta.get('format')!r} is not readable")
         if meta["epoch"] >= self.epoch:
             raise StaleEpoch(f"shard already opened at epoch {meta['epoch']} (>= {self.epoch})")
-        self._profiles = [_Profile.from_dict(d) for d in meta["profiles"]]
+        # Each distinct policy is parsed once ("policies"; absent from older snapshots, whose
+        # profiles carry their policies whole).
+        policies = [parse_policy(p) for p in meta.get("policies", ())]
+        self._profiles = [_Profile.from_dict(d, policies) for d in meta["profiles"]]
         self._profile_ids = {p.identity(): i for i, p in enumerate(self._profiles)}
         n = int(meta["next_key"])
         ver = np.ascontiguousarray(arrays["ver"][:n], dtype=np.uint32)

@@ -13,11 +13,12 @@ from engine.effects import (
     UpdateJob,
     WorkerHello,
 )
-from engine.errors import EngineUsageError, StaleEpoch
+from engine.errors import EngineStateError, EngineUsageError, StaleEpoch
 from engine.jobs import validate_job
 from engine.records import ACCT_EXHAUSTED, expand
 from engine.schedules import format_utc
 from engine.shard import ShardEngine
+from engine.snapshot import Snapshot
 from tests.engine.harness import T0, Node
 
 
@@ -162,6 +163,43 @@ def test_a_snapshot_rebuilds_exactly_the_state_records_rebuild() -> None:
         assert state["runs"] == live["runs"]
         assert state["outbox"] == live["outbox"]
         assert state["dependents"] == live["dependents"]
+
+
+def _recover(node: Node, snap: Snapshot) -> ShardEngine:
+    engine, _ = ShardEngine.recover(
+        [],
+        snapshot=snap,
+        directory=MemoryDirectory(node.durable_records),
+        epoch=node.epoch + 1,
+        wall_ms=node.wall,
+        mono_ms=node.mono,
+        config=node.config,
+    )
+    return engine
+
+
+def test_a_snapshot_stores_each_policy_once_and_reads_the_older_form_too() -> None:
+    node = build_mixed_shard()
+    node.flush()
+    live = node.engine.snapshot()
+    snap = node.engine.export_snapshot()
+    policies, profiles = snap.meta["policies"], snap.meta["profiles"]
+    distinct = {p.policy for p in node.engine._profiles}
+    assert len(policies) == len(distinct) < len(profiles)
+    assert all(isinstance(d["policy"], int) for d in profiles)
+    assert _recover(node, snap).snapshot()["jobs"] == live["jobs"]
+    # Snapshots written before the table carried each profile's policy whole.
+    older = dict(snap.meta)
+    del older["policies"]
+    older["profiles"] = [{**d, "policy": policies[d["policy"]]} for d in profiles]
+    recovered = _recover(node, Snapshot(snap.arrays, older))
+    assert recovered.snapshot()["jobs"] == live["jobs"]
+    assert [p.policy for p in recovered._profiles] == [p.policy for p in node.engine._profiles]
+    # A profile naming a policy the table does not hold is a broken store, not a default.
+    broken = dict(snap.meta)
+    broken["profiles"] = [{**profiles[0], "policy": len(policies)}, *profiles[1:]]
+    with pytest.raises(EngineStateError, match="names policy"):
+        _recover(node, Snapshot(snap.arrays, broken))
 
 
 def test_a_snapshot_needs_the_stores_directory_and_a_newer_epoch() -> None:
