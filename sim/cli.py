@@ -12,6 +12,7 @@ was not, since a checker that catches nothing proves nothing. 2 for bad options.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from cluster.options import positive_int
@@ -65,6 +66,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=MUTANTS,
         metavar="NAME",
         help=f"switch one guard off: {', '.join(MUTANTS)}; stops at the first violating seed",
+    )
+    parser.add_argument(
+        "--procs",
+        type=positive_int,
+        default=os.cpu_count() or 1,
+        metavar="P",
+        help="run several seeds in P processes at once; the output is the same for any P "
+        "(default: the machine's cores)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(
@@ -123,9 +132,9 @@ def run(args: argparse.Namespace) -> int:
                     task, advance=1, description=f"seed {result.seed} ({bad} violating)"
                 )
 
-            summary = run_seeds(config, args.seeds, on_seed=on_seed)
+            summary = run_seeds(config, args.seeds, on_seed=on_seed, procs=args.procs)
     else:
-        summary = run_seeds(config, args.seeds)
+        summary = run_seeds(config, args.seeds, procs=args.procs)
 
     if args.report is not None:
         for path in write_report(summary, Path(args.report)):

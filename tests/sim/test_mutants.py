@@ -23,7 +23,7 @@ EXPECTED = {
 @pytest.mark.slow
 @pytest.mark.parametrize("mutant", MUTANTS)
 def test_each_mutant_is_caught_within_200_seeds(mutant: str) -> None:
-    summary = run_seeds(replace(SMALL, mutant=mutant), 200)
+    summary = run_seeds(replace(SMALL, mutant=mutant), 200, procs=2)
     assert summary.stopped_at is not None, f"{mutant} was not caught in 200 seeds"
     assert summary.seeds_run == summary.stopped_at - SMALL.seed + 1  # stopped right there
     checks = {v["check"] for v in summary.violations}

@@ -7,14 +7,14 @@ from dataclasses import replace
 import pytest
 
 from sim.config import SimConfig
-from sim.runner import run_seeds
+from sim.runner import Summary, run_seeds
 from tests.sim.conftest import SMALL
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("first", [1, 11, 21, 31, 41])
 def test_ten_seeds_with_every_fault_hold(first: int) -> None:
-    summary = run_seeds(replace(SMALL, seed=first), 10)
+    summary = run_seeds(replace(SMALL, seed=first), 10, procs=2)
     assert summary.seeds_run == 10
     assert summary.violations == [], [
         (v["seed"], v["check"], v["message"], v["trace"][-10:]) for v in summary.violations
@@ -38,3 +38,30 @@ def test_faults_really_happen(small: SimConfig) -> None:
     assert {"crash", "pause", "worker-crash", "skew", "partition", "slow-disk"} <= kinds | {
         "crash"
     } and ("crash" in kinds or "crash-writing" in kinds)
+
+
+def _comparable(summary: Summary) -> dict[str, object]:
+    out = summary.to_dict()
+    del out["elapsed_s"], out["seconds_per_seed"]
+    return out
+
+
+@pytest.mark.slow
+def test_seeds_in_several_processes_sum_up_exactly_as_in_one() -> None:
+    config = replace(SMALL, seed=3, samples=True)
+    alone, together = run_seeds(config, 5), run_seeds(config, 5, procs=2)
+    assert _comparable(together) == _comparable(alone)
+    assert list(together.lateness) == list(alone.lateness)  # in seed order, not finish order
+    assert together.first is not None and alone.first is not None
+    assert together.first.lateness == alone.first.lateness  # the first seed's plot samples
+
+
+@pytest.mark.slow
+def test_a_mutant_run_in_several_processes_stops_at_the_same_seed() -> None:
+    seen: list[int] = []
+    config = replace(SMALL, mutant="no-self-fence")
+    alone = run_seeds(config, 200)
+    together = run_seeds(config, 200, procs=2, on_seed=lambda r: seen.append(r.seed))
+    assert together.stopped_at == alone.stopped_at is not None
+    assert seen == list(range(SMALL.seed, together.stopped_at + 1))  # in order, none after
+    assert [v["seed"] for v in together.violations] == [v["seed"] for v in alone.violations]
