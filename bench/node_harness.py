@@ -12,10 +12,12 @@ a process running or a directory behind, and never judge a figure.
 from __future__ import annotations
 
 import math
+import multiprocessing
 import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -164,6 +166,57 @@ def fdatasync_rate(directory: Path, *, count: int, max_s: float, size: int = 128
         return done / (time.perf_counter() - start)
     finally:
         os.close(fd)
+        path.unlink(missing_ok=True)
+
+
+def _durable_echo_server(listener: socket.socket, path: str) -> None:
+    """The far end of :func:`durable_echo_rate`: per request, one write + fdatasync, then a
+    small reply; ends when the peer closes."""
+    conn, _ = listener.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        while data := conn.recv(4096):
+            os.write(fd, data)
+            os.fdatasync(fd)
+            conn.sendall(b"k" * 32)
+    finally:
+        os.close(fd)
+        conn.close()
+
+
+def durable_echo_rate(directory: Path, *, count: int, max_s: float) -> float:
+    """The floor of one-at-a-time durable submits on this machine, with no framework at all:
+    a client sends a 120-byte request over loopback TCP to another process, which writes it,
+    fdatasyncs it (on the disk under ``directory``) and replies; the client waits for the reply
+    before the next request. Two blocking sockets and a plain loop, so what is left is the
+    kernel's wake-ups and the disk. Up to ``count`` round trips or ``max_s`` seconds; returns
+    round trips per second."""
+    path = directory / "echo.bin"
+    listener = socket.create_server(("127.0.0.1", 0))
+    server = multiprocessing.get_context("fork").Process(
+        target=_durable_echo_server, args=(listener, str(path)), daemon=True
+    )
+    server.start()
+    try:
+        with socket.create_connection(listener.getsockname()[:2]) as conn:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            request = b"r" * 120
+            done = 0
+            start = time.perf_counter()
+            deadline = start + max_s
+            while done < count and (done < 10 or time.perf_counter() < deadline):
+                conn.sendall(request)
+                if not conn.recv(4096):
+                    raise RuntimeError("the echo server closed its side")
+                done += 1
+            return done / (time.perf_counter() - start)
+    finally:
+        listener.close()
+        server.join(10)
+        if server.is_alive():
+            server.kill()
+            server.join(10)
         path.unlink(missing_ok=True)
 
 

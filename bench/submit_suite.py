@@ -28,7 +28,7 @@ from typing import Any
 import trio
 
 from bench.common import Metric, SuiteResult
-from bench.node_harness import NodeProcess, fdatasync_rate
+from bench.node_harness import NodeProcess, durable_echo_rate, fdatasync_rate
 from cluster.client import Client
 from engine.schedules import format_utc
 
@@ -197,8 +197,9 @@ async def _check(port: int, specs: list[dict[str, Any]], done: int) -> None:
                 raise RuntimeError(f"job {last['id']} reads back as {job['spec']}")
 
 
-def measure(jobs: int) -> tuple[dict[str, Outcome], float]:
-    """Every mode against one node: the outcomes by mode, and the disk's fdatasyncs/s."""
+def measure(jobs: int) -> tuple[dict[str, Outcome], float, float]:
+    """Every mode against one node: the outcomes by mode, the disk's fdatasyncs/s, and the
+    floor of one-at-a-time durable submits (:func:`durable_echo_rate`)."""
     at = format_utc(int(time.time() * 1000) + 86_400_000)
     plan = {
         "single": max(10, jobs // 50),
@@ -226,12 +227,13 @@ def measure(jobs: int) -> tuple[dict[str, Outcome], float]:
             out[mode] = outcome
         # The floor of one-at-a-time durability on this disk, measured right after.
         fsync = fdatasync_rate(node.root, count=max(200, plan["single"]), max_s=CAPS["single"])
-    return out, fsync
+        echo = durable_echo_rate(node.root, count=max(200, plan["single"]), max_s=CAPS["single"])
+    return out, fsync, echo
 
 
 def run(args: argparse.Namespace) -> SuiteResult:
     jobs = args.jobs or DEFAULT_JOBS
-    outcomes, fsync = measure(jobs)
+    outcomes, fsync, echo = measure(jobs)
     result = SuiteResult("submit")
     single = outcomes["single"]
     result.add(
@@ -244,6 +246,7 @@ def run(args: argparse.Namespace) -> SuiteResult:
                 "jobs": single.done,
                 "target": TARGETS["single"],
                 "quoted_redis_per_s": REDIS_SINGLE,
+                "floor_per_s": round(echo),
                 **single.cpu_fields(),
             },
             "fdatasync loop (one write + fdatasync per submit, same disk)",
@@ -314,6 +317,10 @@ def run(args: argparse.Namespace) -> SuiteResult:
             f"{TARGETS['conns64']:,}/s, single >= {TARGETS['single']:,}/s",
             f"the single anchor is measured in this run: {fsync:,.0f} fdatasyncs/s on the data "
             "directory's file system",
+            f"single's floor_per_s, measured in this run: {echo:,.0f} round trips/s of a "
+            "120-byte request over loopback TCP to another process that writes and fdatasyncs "
+            "it, then replies (blocking sockets, no framework): the best any one-at-a-time "
+            "durable submit can do on this machine",
         ]
     )
     return result

@@ -42,6 +42,8 @@ def test_submit_suite_json_shape() -> None:
     assert single["anchor"].startswith("fdatasync") and single["anchor_value"] > 0
     assert single["ratio"] == round(single["value"] / single["anchor_value"], 3)
     assert single["quoted_redis_per_s"] == 1500
+    # So is the floor of any one-at-a-time durable submit: a bare loopback echo with a sync.
+    assert single["floor_per_s"] > 0
     conns = next(m for m in metrics if m["mode"] == "conns64")
     assert conns["connections"] == 64
 
