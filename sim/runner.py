@@ -159,10 +159,11 @@ def _configs(config: SimConfig, count: int) -> Iterator[SimConfig]:
 
 
 def _pool(procs: int) -> ProcessPoolExecutor:
-    # fork: a worker starts with the modules already imported (spawn would import them again
-    # in each, a few tenths of a second) and no state that matters: a seed builds its world.
+    # forkserver, not fork: the caller may have threads (rich's progress bar refreshes from
+    # one), and a forked child would inherit any lock they held, stderr's included. Each
+    # worker imports the simulation once (a few tenths of a second); a seed builds its world.
     return ProcessPoolExecutor(
-        procs, mp_context=multiprocessing.get_context("fork"), initializer=_worker_start
+        procs, mp_context=multiprocessing.get_context("forkserver"), initializer=_worker_start
     )
 
 
