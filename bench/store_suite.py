@@ -1,6 +1,6 @@
 """``tickwheel bench store``: the shard store — group commit, recovery, bytes on disk.
 
-Owns three workloads, all on a real RocksDB directory in the system's temp dir:
+Owns four workloads, all on a real RocksDB directory in the system's temp dir:
 
 * ``durable_records_per_s``: P producers (1, 16, 256), each submitting a batch of one record
   (a new run of its job created PENDING, as a fire persists it) through group commit and
@@ -12,6 +12,9 @@ Owns three workloads, all on a real RocksDB directory in the system's temp dir:
   record bytes, one record per sync, in a file in the same directory, measured just before each
   figure (the disk is shared, so its speed drifts; an anchor measured next to each figure keeps
   the ratio honest).
+* ``store_cpu_us_per_record``: the CPU one durable run record costs on the thread holding the
+  GIL (made, prepared, written with its group), in parts, and the rate that allows on one
+  core: the ceiling of ``durable_records_per_s`` however producers and writer are arranged.
 * ``recovery_pending_per_s`` (``--pending N``, default 2M and 10M): a snapshot of N pending
   one-shot jobs in the engine's columns is written and the store closed; timed: reopen (a new
   epoch), load the snapshot into numpy arrays (``scope: store``), and, when the engine can take
@@ -291,6 +294,7 @@ def measure_durable(result: SuiteResult, args: argparse.Namespace, root: str) ->
     record = codec.pack(_run_record(1, T0))
     store = ShardStore.open(path, shard=0, shards=1, epoch=1)
     committer = GroupCommitter(store)
+    anchor = 0.0
     try:
         for producers in PRODUCERS:
             _say(args, f"fdatasync loop, then {producers} producers ...")
@@ -329,10 +333,69 @@ def measure_durable(result: SuiteResult, args: argparse.Namespace, root: str) ->
                         anchor,
                     )
                 )
+        measure_cpu_per_record(result, args, store, anchor)
     finally:
         committer.close()
         store.close()
         shutil.rmtree(path, ignore_errors=True)
+
+
+#: Groups of CPU_GROUP one-record batches per repetition of :func:`measure_cpu_per_record`.
+CPU_GROUP = 256
+CPU_GROUPS = 40
+CPU_REPEATS = 5
+
+
+def measure_cpu_per_record(
+    result: SuiteResult, args: argparse.Namespace, store: ShardStore, anchor: float
+) -> None:
+    """What one durable record costs in CPU on the thread that holds the GIL, in parts, and
+    the rate that cost allows on one core: the ceiling of ``durable_records_per_s`` however
+    the producers and the writer are arranged, since every part runs with the GIL held
+    (rocksdict releases it only for the fsync). Measured with the thread's own CPU clock, in
+    one thread: each group is ``CPU_GROUP`` one-record batches (the 256-producer pattern),
+    made, prepared and written in one synced write; best of ``CPU_REPEATS``."""
+    _say(args, "CPU per durable record ...")
+    groups = max(1, min(CPU_GROUPS, (args.jobs or CPU_GROUP * CPU_GROUPS) // CPU_GROUP))
+    best: tuple[float, float, float] | None = None
+    for _ in range(CPU_REPEATS):
+        m = next(_measurements)
+        make = prepare = write = 0.0
+        for n in range(groups):
+            c0 = time.thread_time()
+            batches = [
+                Persist(_batch_id(m, p, n), 1, (_producer_run(m, p, n),)) for p in range(CPU_GROUP)
+            ]
+            c1 = time.thread_time()
+            prepared = [store.prepare(b) for b in batches]
+            c2 = time.thread_time()
+            store.write_prepared(prepared)
+            c3 = time.thread_time()
+            make, prepare, write = make + c1 - c0, prepare + c2 - c1, write + c3 - c2
+        records = groups * CPU_GROUP
+        parts = (make / records * 1e6, prepare / records * 1e6, write / records * 1e6)
+        if best is None or sum(parts) < sum(best):
+            best = parts
+    assert best is not None
+    total = sum(best)
+    ceiling = 1e6 / total if total > 0 else 0.0
+    result.add(
+        Metric(
+            "store_cpu_us_per_record",
+            total,
+            "us",
+            {
+                "record": "run",
+                "batch": "one record",
+                "group": CPU_GROUP,
+                "make_us": round(best[0], 2),
+                "prepare_us": round(best[1], 2),
+                "write_us": round(best[2], 2),
+                "ceiling_records_per_s": round(ceiling),
+                "ceiling_ratio_to_anchor": round(ceiling / anchor, 2) if anchor else None,
+            },
+        )
+    )
 
 
 # ------------------------------------------------------------------------- recovery
@@ -512,6 +575,11 @@ def run(args: argparse.Namespace) -> SuiteResult:
         [
             "targets (issue 5): durable_records_per_s at producers=256 >= 20x the "
             "write+fdatasync loop; 10M pending rebuilt in < 5 s (2,000,000 jobs/s)",
+            "store_cpu_us_per_record: the CPU one durable run record costs with the GIL held "
+            "(make the record and its batch, prepare it, write it: the memtable inserts, the "
+            "accounting), in one thread; ceiling_records_per_s = 1e6 / that, the most one "
+            "core can commit however the producers are arranged; ceiling_ratio_to_anchor "
+            "compares it with the 256-producer run's anchor",
             f"data in {tempfile.gettempdir()} (the anchor's file is in the same directory); "
             "each anchor was measured just before its figure",
             "recovery scope 'store': reopen + snapshot into numpy arrays; 'engine': that plus "

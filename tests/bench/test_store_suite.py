@@ -38,7 +38,12 @@ def test_store_suite_json_shape() -> None:
         "durable_records_per_s",
         "recovery_pending_per_s",
         "disk_bytes_per_pending",
+        "store_cpu_us_per_record",
     }
+    (cpu,) = by_name["store_cpu_us_per_record"]
+    parts = cpu["make_us"] + cpu["prepare_us"] + cpu["write_us"]  # type: ignore[operator]
+    assert abs(parts - cpu["value"]) < 0.05  # type: ignore[operator]
+    assert cpu["ceiling_records_per_s"] == round(1e6 / cpu["value"])  # type: ignore[operator]
     durable = by_name["durable_records_per_s"]
     assert {(m["producers"], m["driver"]) for m in durable} >= {
         (1, "threads"),
