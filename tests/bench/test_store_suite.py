@@ -43,7 +43,8 @@ def test_store_suite_json_shape() -> None:
     (cpu,) = by_name["store_cpu_us_per_record"]
     parts = cpu["make_us"] + cpu["prepare_us"] + cpu["write_us"]  # type: ignore[operator]
     assert abs(parts - cpu["value"]) < 0.05  # type: ignore[operator]
-    assert cpu["ceiling_records_per_s"] == round(1e6 / cpu["value"])  # type: ignore[operator]
+    ceiling = 1e6 / cpu["value"]  # type: ignore[operator]
+    assert abs(cpu["ceiling_records_per_s"] - ceiling) <= ceiling * 1e-3  # (value is rounded)
     durable = by_name["durable_records_per_s"]
     assert {(m["producers"], m["driver"]) for m in durable} >= {
         (1, "threads"),
