@@ -21,7 +21,7 @@ import os
 import socket
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -43,18 +43,18 @@ PayloadHandler = Callable[[RunTicket, Callable[[str, bytes], Awaitable[None]]], 
 
 
 def ticket_of(run: dict[str, Any]) -> RunTicket:
-    return RunTicket(
-        run_id=run["run_id"],
-        job_id=run["job_id"],
-        scheduled_ms=run["scheduled_ms"],
-        attempt=run["attempt"],
-        token=run["token"],
-        version=run["version"],
-        delivery=run["delivery"],
-        tier=run["tier"],
-        timeout_ms=run["timeout_ms"],
-        task=run["task"],
-        on_timeout=run.get("on_timeout", "kill"),
+    return RunTicket(  # positional, in field order (one is built per dispatch)
+        run["run_id"],
+        run["job_id"],
+        run["scheduled_ms"],
+        run["attempt"],
+        run["token"],
+        run["version"],
+        run["delivery"],
+        run["tier"],
+        run["timeout_ms"],
+        run["task"],
+        run.get("on_timeout", "kill"),
     )
 
 
@@ -268,7 +268,7 @@ class WorkerAgent:
                     outcome = "success" if code == 0 else "failed"
             else:
                 # "mark": the node records TIMED_OUT; the task runs on to its own end.
-                local = replace(ticket, timeout_ms=None) if ticket.on_timeout == "mark" else ticket
+                local = ticket._replace(timeout_ms=None) if ticket.on_timeout == "mark" else ticket
                 result = await run_task(
                     local,
                     on_output=on_output,
