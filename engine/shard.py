@@ -445,7 +445,6 @@ class ShardEngine:
 
     def _command(self, command: Command, epoch: int | None) -> None:
         handler = _HANDLERS[type(command)]
-        request_id = getattr(command, "request_id", None)
         try:
             if epoch is not None and epoch != self.epoch:
                 raise StaleEpoch(
@@ -454,6 +453,9 @@ class ShardEngine:
                 )
             handler(self, command)
         except EngineError as error:
+            # Looked up here, not for every command: a worker's report has no request id,
+            # and a getattr that misses raises and catches an AttributeError inside.
+            request_id = getattr(command, "request_id", None)
             if request_id is None:
                 # A worker's command (no request id): the driver tells the worker, which
                 # says hello again; the engine and the other effects are unharmed.
@@ -1647,7 +1649,12 @@ class ShardEngine:
         run.worker = worker.worker_id
         worker.credits -= 1
         worker.runs.add(run.ref)
-        self._persist_run(run)
+        # The claim's record, made from the run, is not applied back (_emit): applying a
+        # live record only keeps the job's bookkeeping, and a claim changes none of it (the
+        # run's time stays active; a buffered run is never queued, so never claimed).
+        record = self._run_record(run)
+        record["e"] = self.epoch
+        self._records.append(record)
         self._arm_timeout(run)
         policy = run.policy
         if run.job_id is None:
