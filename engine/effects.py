@@ -184,8 +184,10 @@ class RunTicket(NamedTuple):
     on_timeout: str = "kill"
 
 
-@dataclass(frozen=True)
-class Dispatch:
+class Dispatch(NamedTuple):
+    """Send ``run`` to ``worker_id``. A named tuple, like :class:`RunTicket`: one is built
+    per claim, and a frozen dataclass's ``__init__`` cost several times as much."""
+
     worker_id: str
     run: RunTicket
 
