@@ -68,6 +68,9 @@ class SyntheticDirectory:
     def latest(self, key: int) -> tuple[int, Mapping[str, Any]] | None:
         return 1, {"id": _job_id(key), "task": {"payload": key}}
 
+    def ticket_fields(self, key: int) -> tuple[int, str, Any] | None:
+        return 1, _job_id(key), {"payload": key}
+
 
 def _snapshot(n: int) -> Snapshot:
     """N one-shot jobs of one profile (default policies), as a store would hand them over."""

@@ -253,8 +253,18 @@ class ShardHost:
             self.credits_changed[worker_id] = None
             self.wake()
 
+    def tell_many(self, commands: list[Command]) -> None:
+        """:meth:`tell` for several commands, in order (a worker's batch of final reports):
+        one wake-up decision for all of them."""
+        if self.failed is None and commands:
+            self.pending.extend(commands)
+            self._pushed()
+
     def _push(self, command: Command) -> None:
         self.pending.append(command)
+        self._pushed()
+
+    def _pushed(self) -> None:
         if self.wakeup is not None:
             node = self.node
             if node.batching and node.in_flight <= 1:
@@ -336,6 +346,7 @@ class ShardHost:
 
     def route(self, effects: Iterable[Effect]) -> None:
         node = self.node
+        dispatched: dict[str, None] = {}  # workers given runs, in order
         for effect in effects:
             if isinstance(effect, Persist):
                 self._persist(effect)
@@ -344,7 +355,8 @@ class ShardHost:
                 if slot is not None:
                     slot.fill(effect, None)
             elif isinstance(effect, Dispatch):
-                node.dispatch(self.index, effect)
+                if node.dispatch(self.index, effect):
+                    dispatched[effect.worker_id] = None
             elif isinstance(effect, Kill):
                 node.kill(effect)
             elif isinstance(effect, Refused):
@@ -360,6 +372,14 @@ class ShardHost:
                     format_utc(effect.wall_ms),
                     format_utc(effect.engine_ms),
                 )
+        if dispatched:
+            # This shard counted its credits; the others learn each worker's new free count
+            # at their next turn: one notice a worker for the whole batch of dispatches (the
+            # notice only marks the worker; the count is read when the Pull is made).
+            for host in node.hosts:
+                if host is not self:
+                    for worker_id in dispatched:
+                        host.credits_changed_for(worker_id)
 
     def _persist(self, batch: Persist) -> None:
         if self.failed is not None:
@@ -917,10 +937,12 @@ class Node:
 
     # ------------------------------------------------------------------ effects to workers
 
-    def dispatch(self, shard: int, effect: Dispatch) -> None:
+    def dispatch(self, shard: int, effect: Dispatch) -> bool:
+        """Push the run to its worker; False when the worker is not connected. The caller
+        tells the other shards that the worker's free slots changed (once a batch)."""
         session = self.workers.get(effect.worker_id)
         if session is None:
-            return  # gone: its lease lapses in the engine, which decides what follows
+            return False  # gone: its lease lapses in the engine, which decides what follows
         t = effect.run
         if len(self.run_shards) >= MAX_REMEMBERED_RUNS:
             self.run_shards.clear()  # runs whose final report never came: a cache, not a record
@@ -946,9 +968,7 @@ class Node:
         # The shard that dispatched counted the credit; the others learn the new free count
         # (at their next turn, once however many dispatches happen meanwhile).
         session.free = max(0, session.free - 1)
-        for host in self.hosts:
-            if host.index != shard:
-                host.credits_changed_for(session.worker_id)
+        return True
 
     def kill(self, effect: Kill) -> None:
         session = self.workers.get(effect.worker_id)
@@ -1253,10 +1273,15 @@ class Node:
                     field = f"reports[{i}].run_id"
                     raise BadArgs(f"{field}: {exc}", None, field) from None
             shards.append(shard)
-        # Checked whole: now each report goes to its shard, as its own worker.finished would.
+        # Checked whole: now each report goes to its shard, as its own worker.finished would
+        # (in order; each shard's share handed over at once).
+        by_shard: list[list[Command]] = [[] for _ in self.hosts]
+        run_shards = self.run_shards
         for command, shard in zip(commands, shards, strict=True):
-            self.run_shards.pop(command.run_id, None)
-            self.hosts[shard].tell(command)
+            run_shards.pop(command.run_id, None)
+            by_shard[shard].append(command)
+        for host, mine in zip(self.hosts, by_shard, strict=True):
+            host.tell_many(mine)
         if credits is not None:
             self._pull(conn, {"credits": credits})
         return {}

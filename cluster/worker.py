@@ -20,8 +20,9 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field, replace
+import types
+from collections import deque
+from collections.abc import Awaitable, Callable, Coroutine, Generator
 from functools import partial
 from typing import Any
 
@@ -43,38 +44,73 @@ PayloadHandler = Callable[[RunTicket, Callable[[str, bytes], Awaitable[None]]], 
 
 
 def ticket_of(run: dict[str, Any]) -> RunTicket:
-    return RunTicket(
-        run_id=run["run_id"],
-        job_id=run["job_id"],
-        scheduled_ms=run["scheduled_ms"],
-        attempt=run["attempt"],
-        token=run["token"],
-        version=run["version"],
-        delivery=run["delivery"],
-        tier=run["tier"],
-        timeout_ms=run["timeout_ms"],
-        task=run["task"],
-        on_timeout=run.get("on_timeout", "kill"),
+    return RunTicket(  # positional, in field order (one is built per dispatch)
+        run["run_id"],
+        run["job_id"],
+        run["scheduled_ms"],
+        run["attempt"],
+        run["token"],
+        run["version"],
+        run["delivery"],
+        run["tier"],
+        run["timeout_ms"],
+        run["task"],
+        run.get("on_timeout", "kill"),
     )
 
 
 class _Runner:
     """A task of the worker's that runs tasks one after another (:meth:`WorkerAgent._run_tasks`):
-    the run handed to it, and its wake-up while idle."""
+    its wake-up while idle."""
 
-    __slots__ = ("held", "ready")
+    __slots__ = ("ready",)
 
-    def __init__(self, held: _Held) -> None:
-        self.held: _Held | None = held
+    def __init__(self) -> None:
         self.ready: trio.Event | None = None
 
 
-@dataclass
 class _Held:
-    ticket: RunTicket
-    handle: RunHandle = field(default_factory=RunHandle)
-    outcome: tuple[str, int | None] | None = None  # finished, not yet acknowledged by the node
-    reporting: bool = False  # its final report is out, its answer not yet in
+    """A run this worker holds, from its dispatch until the node has its final report."""
+
+    __slots__ = ("_handle", "outcome", "reporting", "ticket")
+
+    def __init__(self, ticket: RunTicket) -> None:
+        self.ticket = ticket
+        self._handle: RunHandle | None = None
+        #: finished, not yet acknowledged by the node
+        self.outcome: tuple[str, int | None] | None = None
+        self.reporting = False  # its final report is out, its answer not yet in
+
+    @property
+    def handle(self) -> RunHandle:
+        """Made on first use (a kill, or a command task's start): a payload run never needs
+        one, and its two Trio events were a measurable part of a busy worker's CPU."""
+        if self._handle is None:
+            self._handle = RunHandle()
+        return self._handle
+
+
+@types.coroutine
+def _carry_on(run: Coroutine[Any, Any, None], step: Any) -> Generator[Any, Any, None]:
+    """``await run`` for a coroutine already started by hand, whose first step yielded
+    ``step`` (a Trio trap): what ``yield from`` does, entered midway. Trio sees the same
+    traps, sent and thrown back in the same task, as if the runner had awaited ``run``."""
+    while True:
+        try:
+            sent = yield step
+        except GeneratorExit:
+            run.close()
+            raise
+        except BaseException as exc:
+            try:
+                step = run.throw(exc)
+            except StopIteration:
+                return
+        else:
+            try:
+                step = run.send(sent)
+            except StopIteration:
+                return
 
 
 class WorkerAgent:
@@ -116,6 +152,10 @@ class WorkerAgent:
         self._to_report: list[str] = []
         self._to_start: list[_Held] = []  # tasks begun since the reporter's last pass
         self._idle: list[_Runner] = []  # runner tasks waiting for a run
+        # Runs held (counted as running) that no runner task has taken yet, and the runner
+        # tasks awake to take them: woken or spawned for it, and not inside a run that waits.
+        self._queue: deque[_Held] = deque()
+        self._pickers = 0
         self._report_ready: trio.Event | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -213,16 +253,21 @@ class WorkerAgent:
     # ------------------------------------------------------------------ one run
 
     def _start(self, ticket: RunTicket) -> None:
-        """Run ``ticket`` now, on an idle runner task or a new one."""
-        held = self._hold(ticket)
+        """Run ``ticket`` now: held at once, taken by a runner task awake for it (woken or
+        spawned when none is)."""
+        self._queue.append(self._hold(ticket))
+        if not self._pickers:
+            self._add_picker()
+
+    def _add_picker(self) -> None:
+        self._pickers += 1
         if self._idle:
             runner = self._idle.pop()
-            runner.held = held
             ready, runner.ready = runner.ready, None
             assert ready is not None
             ready.set()
         else:
-            self.nursery.start_soon(self._run_tasks, _Runner(held))
+            self.nursery.start_soon(self._run_tasks, _Runner())
 
     def _hold(self, ticket: RunTicket) -> _Held:
         held = _Held(ticket)
@@ -231,17 +276,33 @@ class WorkerAgent:
         return held
 
     async def _run_tasks(self, runner: _Runner) -> None:
-        """One run after another, then idle until :meth:`_start` hands it the next: a Trio
-        task spawned per run cost about a fifth of a busy worker's CPU (cProfile of the
-        dispatch benchmark's workers). At most about ``slots`` of them ever exist."""
+        """Takes queued runs one after another, then idles until :meth:`_start` wakes it: a
+        Trio task spawned per run cost about a fifth of a busy worker's CPU (cProfile of the
+        dispatch benchmark's workers), and a wake-up per run much of the rest.
+
+        Each run's first step is taken by hand: a run that ends without waiting (an instant
+        payload handler) costs no pass of Trio's loop, and the next queued run follows in the
+        same step. A run that waits (a process, a slow handler) is then awaited as usual, and
+        the runs queued behind it get another runner first, so a slow run never holds up the
+        others: as before, every held run runs at once, up to ``slots`` of them. At most about
+        ``slots`` runner tasks ever exist."""
+        queue = self._queue
         while True:
-            held = runner.held
-            assert held is not None
-            runner.held = None
-            await self._execute(held)
-            if self.waiting and self.running < self.slots:
-                runner.held = self._hold(self.waiting.pop(0))  # queued beyond the slots
-                continue
+            while queue:
+                run = self._execute(queue.popleft())
+                try:
+                    step = run.send(None)
+                except StopIteration:
+                    pass  # ended without waiting
+                else:
+                    self._pickers -= 1  # inside a run that waits: the queue needs another
+                    if queue and not self._pickers:
+                        self._add_picker()
+                    await _carry_on(run, step)
+                    self._pickers += 1
+                while self.waiting and self.running < self.slots:
+                    queue.append(self._hold(self.waiting.pop(0)))  # queued beyond the slots
+            self._pickers -= 1
             ready = runner.ready = trio.Event()
             self._idle.append(runner)
             await ready.wait()
@@ -268,7 +329,7 @@ class WorkerAgent:
                     outcome = "success" if code == 0 else "failed"
             else:
                 # "mark": the node records TIMED_OUT; the task runs on to its own end.
-                local = replace(ticket, timeout_ms=None) if ticket.on_timeout == "mark" else ticket
+                local = ticket._replace(timeout_ms=None) if ticket.on_timeout == "mark" else ticket
                 result = await run_task(
                     local,
                     on_output=on_output,

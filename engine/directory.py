@@ -7,7 +7,8 @@ needs it: the key of an id, and the latest *durable* spec of a key. Jobs whose r
 durable yet are the engine's own business (it keeps them until they are).
 
 Must never be asked for anything the engine decides on the hot path of firing: lookups happen
-on commands that name a job, on claims (to fill a run ticket) and on reports.
+on commands that name a job, on claims (to fill a run ticket: :meth:`JobDirectory.ticket_fields`)
+and on reports.
 """
 
 from __future__ import annotations
@@ -28,6 +29,12 @@ class JobDirectory(Protocol):
 
     def latest(self, key: int) -> tuple[int, Mapping[str, Any]] | None:
         """``(version, spec dict)`` of the newest durable ``job`` record of ``key``, or None."""
+        ...
+
+    def ticket_fields(self, key: int) -> tuple[int, str, Any] | None:
+        """``(version, spec["id"], spec["task"])`` of what :meth:`latest` would return, or
+        None: all a claim's ticket needs of the spec. Every claim asks it, so a store may
+        answer it without decoding the rest of the spec (policy, schedule, labels)."""
         ...
 
 
@@ -58,6 +65,13 @@ class MemoryDirectory:
 
     def latest(self, key: int) -> tuple[int, Mapping[str, Any]] | None:
         return self._specs.get(key)
+
+    def ticket_fields(self, key: int) -> tuple[int, str, Any] | None:
+        found = self._specs.get(key)
+        if found is None:
+            return None
+        version, spec = found
+        return version, spec["id"], spec["task"]
 
     def __len__(self) -> int:
         return len(self._specs)

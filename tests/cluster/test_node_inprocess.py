@@ -206,3 +206,58 @@ def test_an_instant_payload_run_goes_from_claimed_to_success(tmp_path: Path) -> 
             nursery.cancel_scope.cancel()
 
     run_with_node(tmp_path, body)
+
+
+def test_a_run_that_waits_never_holds_up_the_runs_dispatched_with_it(tmp_path: Path) -> None:
+    """Runner tasks take each run's first step by hand and go on to the next queued run when it
+    ends at once: a run that waits must hand the queue to another runner first. Runs that wait
+    for a later run of the same dispatch (in whatever order they come) would hang otherwise;
+    one waits inside a cancel scope, so a trap is thrown back into a run started by hand."""
+    released = trio.Event()
+    done: list[str] = []
+
+    async def handler(ticket: RunTicket, out: Callable[[str, bytes], Awaitable[None]]) -> int:
+        kind = ticket.task["payload"]
+        if kind == "wait":
+            await released.wait()
+        elif kind == "timeout":
+            with trio.move_on_after(0.05):
+                await trio.sleep(30)
+            await released.wait()
+        elif kind == "release":
+            await trio.sleep(0.05)
+            released.set()
+        await out("stdout", kind.encode())
+        done.append(kind)
+        return 0
+
+    kinds = ["wait", "timeout", "instant", "wait", "release", "instant", "instant", "wait"]
+
+    async def body(client: Client, port: int) -> None:
+        agent = WorkerAgent(
+            "127.0.0.1", port, worker_id="w-mixed", slots=len(kinds), payload_handler=handler
+        )
+        async with trio.open_nursery() as nursery:
+            await nursery.start(agent.run)
+            at = soon(0.3)
+            await client.request(
+                "job.create_many",
+                {
+                    "specs": [
+                        {"id": f"mixed-{i}", "schedule": at, "task": {"payload": kind}}
+                        for i, kind in enumerate(kinds)
+                    ]
+                },
+            )
+            with trio.fail_after(15):
+                for i in range(len(kinds)):
+                    runs = await settle(client, f"mixed-{i}")
+                    assert [r["state"] for r in runs] == ["SUCCESS"]
+                while agent.held:
+                    await trio.sleep(0.01)
+            assert sorted(done) == sorted(kinds)
+            assert agent.running == 0 and agent._pickers == 0 and not agent._queue
+            assert 1 <= len(agent._idle) <= len(kinds)  # runner tasks, all idle again
+            nursery.cancel_scope.cancel()
+
+    run_with_node(tmp_path, body)

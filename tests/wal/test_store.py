@@ -138,6 +138,58 @@ def test_store_is_a_job_directory(tmp_path: Path) -> None:
         assert directory.key_of("job-3") == 3
 
 
+_VALUES = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.text(max_size=8)
+    | st.binary(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner),
+    max_leaves=8,
+)
+
+
+@given(
+    version=st.integers(1, 2**32 - 1),
+    entries=st.lists(
+        st.tuples(st.sampled_from(["id", "task", "tier", "schedule", "labels", "x"]), _VALUES),
+        max_size=8,
+        unique_by=lambda e: e[0],
+    ),
+    items=st.integers(2, 4),
+)
+def test_ticket_fields_decode_as_the_whole_value_would(
+    version: int, entries: list[tuple[str, Any]], items: int
+) -> None:
+    """The claim's narrow read against the reference (a full decode), whatever the order of
+    the spec's keys, missing fields and malformed values: the same fields, or the same error."""
+    from wal import codec
+    from wal.store import _job_ticket_fields
+
+    spec = dict(entries)
+    value = [version, spec, "job-1", "extra"][:items]
+    raw = codec.pack(value)
+    try:
+        v, whole, _id = codec.unpack(raw)
+        expected: Any = (v, whole["id"], whole["task"])
+    except (ValueError, KeyError, TypeError) as exc:
+        expected = type(exc)
+    try:
+        got: Any = _job_ticket_fields(raw)
+    except (ValueError, KeyError, TypeError) as exc:
+        got = type(exc)
+    assert got == expected
+
+
+def test_ticket_fields_follow_the_latest_version(tmp_path: Path) -> None:
+    with open_store(tmp_path) as store:
+        assert store.ticket_fields(1) is None
+        store.write([batch(1, job(1, task={"payload": [1, 2]}, labels={"a": "b"}), pos(1, T0))])
+        assert store.ticket_fields(1) == (1, "job-1", {"payload": [1, 2]})
+        store.write([batch(2, job(1, ver=2, task={"cmd": "new", "env": {"A": "1"}}, tier="t"))])
+        assert store.ticket_fields(1) == (2, "job-1", {"cmd": "new", "env": {"A": "1"}})
+
+
 def test_counts_follow_every_write_and_survive_reopen(tmp_path: Path) -> None:
     with open_store(tmp_path) as store:
         assert store.counts == StoreCounts()
