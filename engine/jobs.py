@@ -595,11 +595,17 @@ class Policy:
         the rendering is cached per distinct policy (formatting durations is most of a create's
         cost otherwise, and a shard has few distinct policies).
         """
-        cached = _POLICY_DICTS.get(self)
-        if cached is None:
-            if len(_POLICY_DICTS) >= _POLICY_DICT_CACHE:
-                _POLICY_DICTS.clear()
-            cached = _POLICY_DICTS[self] = self._render()
+        last = _LAST_POLICY_DICT[0]
+        if last[0] is self:  # jobs created together mostly share one policy object
+            cached = last[1]
+        else:
+            found = _POLICY_DICTS.get(self)
+            if found is None:
+                if len(_POLICY_DICTS) >= _POLICY_DICT_CACHE:
+                    _POLICY_DICTS.clear()
+                found = _POLICY_DICTS[self] = self._render()
+            cached = found
+            _LAST_POLICY_DICT[0] = (self, cached)
         out = dict(cached)
         out["retries"] = dict(cached["retries"])  # type: ignore[call-overload]
         return out
@@ -626,6 +632,8 @@ class Policy:
 #: Rendered policies (see :meth:`Policy.to_dict`), cleared when it reaches its bound.
 _POLICY_DICTS: dict[Policy, dict[str, object]] = {}
 _POLICY_DICT_CACHE: Final = 4096
+#: The policy rendered last and its rendering: found by identity, without hashing 14 fields.
+_LAST_POLICY_DICT: list[tuple[Policy | None, dict[str, object]]] = [(None, {})]
 
 
 def _duration(value: object, field: str) -> int:
@@ -910,17 +918,16 @@ class JobSpec:
         unless ``copy_task=False``: then the task is this spec's own (for a record that is only
         encoded, never changed).
         """
-        out: dict[str, object] = {
+        return {
             "id": self.id,
             "schedule": self.schedule.to_spec(),
             "task": copy.deepcopy(self.task) if copy_task else self.task,
+            **self.policy.to_dict(),
+            "after": list(self.after),
+            "paused": self.paused,
+            "labels": dict(self.labels),
+            "replace": self.replace,
         }
-        out.update(self.policy.to_dict())
-        out["after"] = list(self.after)
-        out["paused"] = self.paused
-        out["labels"] = dict(self.labels)
-        out["replace"] = self.replace
-        return out
 
 
 def _parse_after(value: object, job_id: str) -> tuple[str, ...]:

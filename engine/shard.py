@@ -332,6 +332,9 @@ class ShardEngine:
         self._free_slots: list[int] = []
         self._next_slot = 0
         self._live_spec: JobSpec | None = None
+        # (schedule or None, policy, after, profile id) of the last job created live: see
+        # _apply_job. Holds the objects themselves, so that identity stands for equality.
+        self._last_profile: tuple[Schedule | None, Policy, tuple[str, ...], int] | None = None
         self._outbox: dict[int, Record] = {}
         # upstream job id -> ids of jobs (on any shard) that run after its successes
         self._dependents: dict[str, set[str]] = {}
@@ -886,8 +889,25 @@ class ShardEngine:
     def _apply_job(self, r: Record, recovering: bool) -> None:
         key = r["key"]
         # Live, the validated spec is at hand; a replay parses only what a profile holds.
-        if self._live_spec is not None:
-            pid = self._intern(_Profile.of(self._live_spec))
+        live = self._live_spec
+        if live is not None:
+            # Jobs created together mostly share one profile (one-shots of one policy, a
+            # fleet on one rule): the last one is reused when the spec holds the very same
+            # objects, without building and hashing a profile (a policy hashes 14 fields).
+            memo = self._last_profile
+            schedule = live.schedule
+            part = None if type(schedule) is AtSchedule else schedule
+            if (
+                memo is not None
+                and memo[1] is live.policy
+                and memo[2] is live.after
+                and memo[0] is part
+                and (part is None or not part.jitter_ms)
+            ):
+                pid = memo[3]
+            else:
+                pid = self._intern(_Profile.of(live))
+                self._last_profile = (part, live.policy, live.after, pid)
         else:
             pid = self._stored_profile(r["spec"])
         existed = self._exists(key)
@@ -1016,7 +1036,16 @@ class ShardEngine:
         try:
             # Records are encoded, never changed: the spec's task need not be copied.
             stored = spec.to_dict(copy_task=False)
-            self._emit(rec.make("job", key=key, id=spec.id, ver=version, spec=stored))
+            self._emit(
+                {
+                    "t": "job",
+                    "v": rec.FORMAT_VERSION,
+                    "key": key,
+                    "id": spec.id,
+                    "ver": version,
+                    "spec": stored,
+                }
+            )
         finally:
             self._live_spec = None
 
@@ -1032,16 +1061,18 @@ class ShardEngine:
             acct = ACCT_EXHAUSTED
         else:
             acct = nxt - 1
+        # A dict literal rather than records.make(): this runs for every create.
         self._emit(
-            rec.make(
-                "pos",
-                key=key,
-                next=nxt,
-                acct=acct,
-                paused=bool(flags & _PAUSED),
-                gone=gone,
-                why="paused" if flags & _LATE_PAUSED else "catchup",
-            )
+            {
+                "t": "pos",
+                "v": rec.FORMAT_VERSION,
+                "key": key,
+                "next": nxt,
+                "acct": acct,
+                "paused": bool(flags & _PAUSED),
+                "gone": gone,
+                "why": "paused" if flags & _LATE_PAUSED else "catchup",
+            }
         )
 
     # =============================================================== job commands
@@ -1167,7 +1198,9 @@ class ShardEngine:
             "version": self._ver[key],
             "next_fire_ms": None if paused else self._next_due(key),
             "paused": paused,
-            "active_runs": sorted(run_id(job_id, at) for at in self._times(key)),
+            "active_runs": sorted(run_id(job_id, at) for at in self._times(key))
+            if key in self._active
+            else [],
         }
 
     # =============================================================== firing
@@ -1851,6 +1884,7 @@ class ShardEngine:
             raise StaleEpoch(f"shard already opened at epoch {meta['epoch']} (>= {self.epoch})")
         self._profiles = [_Profile.from_dict(d) for d in meta["profiles"]]
         self._profile_ids = {p.identity(): i for i, p in enumerate(self._profiles)}
+        self._last_profile = None
         n = int(meta["next_key"])
         ver = np.ascontiguousarray(arrays["ver"][:n], dtype=np.uint32)
         prof = np.ascontiguousarray(arrays["prof"][:n], dtype=np.int32)
