@@ -52,6 +52,7 @@ from engine.effects import (
     ClockJump,
     Command,
     CreateJob,
+    CreateJobs,
     Dispatch,
     Durable,
     Effect,
@@ -1078,14 +1079,28 @@ class ShardEngine:
     # =============================================================== job commands
 
     def _create(self, cmd: CreateJob) -> None:
-        spec = cmd.spec
+        self._reply_after_durable(cmd.request_id, self._create_job(cmd.spec))
+
+    def _create_jobs(self, cmd: CreateJobs) -> None:
+        # One reply for the lot: under a bulk create, a reply object per job (and the driver's
+        # slot and callback for it) was a good part of a create's cost.
+        results: list[dict[str, Any] | EngineError] = []
+        for spec in cmd.specs:
+            try:
+                results.append(self._create_job(spec))
+            except EngineError as error:
+                results.append(error)
+        self._reply_after_durable(cmd.request_id, {"results": results})
+
+    def _create_job(self, spec: JobSpec) -> dict[str, Any]:
+        """Create (or, with ``replace``, update) the job ``spec``; return its description.
+        Raises :class:`JobExists` (nothing changed) for a live job without ``replace``."""
         existing = self._key_of(spec.id)
         live = existing is not None and self._exists(existing) and not self._flags[existing] & _GONE
         if live and not spec.replace:
             raise JobExists(f"job {spec.id!r} exists (set replace to overwrite)", field="id")
         if live:
-            self._update(UpdateJob(cmd.request_id, spec), as_create=True)
-            return
+            return self._update_job(spec, as_create=True)
         to_pin: list[tuple[_Run, dict[str, Any]]] = []
         if existing is not None and self._exists(existing):
             # A cancelled job's key: its runs still in flight keep their version's spec.
@@ -1101,7 +1116,7 @@ class ShardEngine:
         self._held_next.pop(key, None)
         self._set_next(key, self._first_due(spec))
         self._persist_pos(key)
-        self._reply_after_durable(cmd.request_id, self._describe(key, spec.id))
+        return self._describe(key, spec.id)
 
     def _runs_to_pin(self, key: int) -> list[tuple[_Run, dict[str, Any]]]:
         """Runs of job ``key`` not final and not pinned yet, with the spec they execute: read
@@ -1126,25 +1141,29 @@ class ShardEngine:
             return spec.schedule.next_after(-(2**62))
         return nxt
 
-    def _update(self, cmd: UpdateJob, *, as_create: bool = False) -> None:
-        key = self._job_key(cmd.spec.id)
+    def _update(self, cmd: UpdateJob) -> None:
+        self._reply_after_durable(cmd.request_id, self._update_job(cmd.spec, as_create=False))
+
+    def _update_job(self, spec: JobSpec, *, as_create: bool) -> dict[str, Any]:
+        """The job's new version ``spec``; its description. Raises :class:`JobNotFound`."""
+        key = self._job_key(spec.id)
         self._skip_unfired(key, "updated")  # the new version replaces them
         old_version = self._ver[key]
         old_after = self._profile(key).after
         to_pin = self._runs_to_pin(key)
         self._unarm(key)
-        self._emit_job(key, old_version + 1, cmd.spec)
-        self._pin(key, to_pin, cmd.spec.id)
-        self._send_registrations(cmd.spec.id, old_after, cmd.spec.after)
+        self._emit_job(key, old_version + 1, spec)
+        self._pin(key, to_pin, spec.id)
+        self._send_registrations(spec.id, old_after, spec.after)
         # The new version owes its fire times after now (those of the old version up to now
         # were run or skipped); a replacing create owes what a fresh create would.
         if as_create:
-            nxt = self._first_due(cmd.spec)
+            nxt = self._first_due(spec)
         else:
-            nxt = cmd.spec.schedule.next_after(self._wall)
+            nxt = spec.schedule.next_after(self._wall)
         self._set_next(key, nxt)
         self._persist_pos(key)
-        self._reply_after_durable(cmd.request_id, self._describe(key, cmd.spec.id))
+        return self._describe(key, spec.id)
 
     def _cancel(self, cmd: CancelJob) -> None:
         key = self._job_key(cmd.job_id)
@@ -1963,6 +1982,7 @@ class ShardEngine:
 
 _HANDLERS: dict[type[Any], Any] = {
     CreateJob: ShardEngine._create,
+    CreateJobs: ShardEngine._create_jobs,
     UpdateJob: ShardEngine._update,
     CancelJob: ShardEngine._cancel,
     PauseJob: ShardEngine._pause,
