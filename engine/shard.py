@@ -1051,8 +1051,12 @@ class ShardEngine:
             self._live_spec = None
 
     def _persist_pos(self, key: int) -> None:
+        self._persist_pos_at(key, self._next_due(key))
+
+    def _persist_pos_at(self, key: int, nxt: int | None) -> None:
+        """:meth:`_persist_pos` when the caller knows the job's next fire time, ``nxt``: what
+        ``_next_due(key)`` would say (the caller has just set it)."""
         flags = self._flags[key]
-        nxt = self._next_due(key)
         gone = bool(flags & _GONE)
         # Every owed time before the next fire time is accounted for (by a run or a skip
         # record); a cancelled job owes nothing after now; an exhausted one owes nothing more.
@@ -1114,9 +1118,11 @@ class ShardEngine:
         self._buffered.pop(key, None)
         self._flags[key] = _PAUSED if spec.paused else 0
         self._held_next.pop(key, None)
-        self._set_next(key, self._first_due(spec))
-        self._persist_pos(key)
-        return self._describe(key, spec.id)
+        nxt = self._first_due(spec)
+        self._set_next(key, nxt)
+        # Not cancelled: its next fire time is now nxt, in the wheel or held while paused.
+        self._persist_pos_at(key, nxt)
+        return self._describe_at(key, spec.id, nxt)
 
     def _runs_to_pin(self, key: int) -> list[tuple[_Run, dict[str, Any]]]:
         """Runs of job ``key`` not final and not pinned yet, with the spec they execute: read
@@ -1211,11 +1217,15 @@ class ShardEngine:
         self._reply_after_durable(cmd.request_id, self._describe(key, cmd.job_id))
 
     def _describe(self, key: int, job_id: str) -> dict[str, Any]:
+        return self._describe_at(key, job_id, self._next_due(key))
+
+    def _describe_at(self, key: int, job_id: str, nxt: int | None) -> dict[str, Any]:
+        """:meth:`_describe` when the caller knows ``_next_due(key)``: ``nxt``."""
         paused = bool(self._flags[key] & _PAUSED)
         return {
             "id": job_id,
             "version": self._ver[key],
-            "next_fire_ms": None if paused else self._next_due(key),
+            "next_fire_ms": None if paused else nxt,
             "paused": paused,
             "active_runs": sorted(run_id(job_id, at) for at in self._times(key))
             if key in self._active
