@@ -1029,11 +1029,16 @@ class Node:
                     for i in indices:
                         settle(i, failed(exc))
                     return
+                # (settled here in one go: this runs for every spec of a bulk create)
                 for i, one in zip(indices, answers, strict=True):
-                    if isinstance(one, EngineError):
-                        settle(i, failed(one))
-                    else:
-                        settle(i, {"ok": True, "result": _job_result(one)})
+                    results[i] = (
+                        failed(one)
+                        if isinstance(one, EngineError)
+                        else {"ok": True, "result": _job_result(one)}
+                    )
+                left[0] -= len(indices)
+                if not left[0]:
+                    all_answered.set()
 
             return answer
 

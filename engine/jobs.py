@@ -772,7 +772,10 @@ def _policy_key_part(value: object) -> object:
 
 def _parse_policy_cached(spec: Mapping[str, object]) -> Policy:
     """:func:`_parse_policy`, kept per distinct raw policy values (errors are not kept)."""
-    key = tuple((k, _policy_key_part(spec[k])) for k in POLICY_KEYS if k in spec)
+    if _POLICY_KEY_SET.isdisjoint(spec):  # most specs: every policy field its default
+        key: tuple[object, ...] = ()
+    else:
+        key = tuple((k, _policy_key_part(spec[k])) for k in POLICY_KEYS if k in spec)
     policy = _PARSED_POLICIES.get(key)
     if policy is None:
         policy = _parse_policy(spec)
