@@ -23,6 +23,18 @@ class CreateJob:
 
 
 @dataclass(frozen=True)
+class CreateJobs:
+    """Several creates as one command (a driver's bulk create): the same decisions as a
+    :class:`CreateJob` per spec, in order, and one :class:`Reply` whose result is
+    ``{"results": [...]}``: per spec, in order, what a CreateJob's reply would hold (the
+    job's description) or the :class:`EngineError` it would carry. A refusal of one spec
+    changes nothing for the others. The reply waits until every record is durable."""
+
+    request_id: int
+    specs: tuple[JobSpec, ...]
+
+
+@dataclass(frozen=True)
 class UpdateJob:
     request_id: int
     spec: JobSpec  # the complete new spec (the driver merges a partial update first)
@@ -131,6 +143,7 @@ class Durable:
 
 Command = (
     CreateJob
+    | CreateJobs
     | UpdateJob
     | CancelJob
     | PauseJob

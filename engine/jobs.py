@@ -337,6 +337,88 @@ def _payload(value: object, field: str, depth: int, budget: _Budget) -> object:
     )
 
 
+class _Slow(Exception):
+    """The fast payload walk met something it leaves to :func:`_payload` (which either accepts
+    it or raises the typed error, with its field name)."""
+
+
+_SLOW: Final = _Slow()
+
+
+def _str_size(value: str) -> int:
+    """The msgpack size of ``value``; :class:`_Slow` for a lone surrogate."""
+    if value.isascii():
+        n = len(value)
+    else:
+        try:
+            n = len(value.encode("utf-8"))
+        except UnicodeEncodeError:
+            raise _SLOW from None
+    return n + (1 if n < 32 else 2 if n < 256 else 3 if n < 65_536 else 5)
+
+
+def _fast_payload(value: object, depth: int) -> tuple[object, int]:
+    """:func:`_payload` for the usual payload, built of exact dicts, lists, str, int, float,
+    bool, None and bytes: the same copy and its exact msgpack size, without making a field
+    name per key and item (most of :func:`_payload`'s cost) and without a budget object.
+    Raises :class:`_Slow` for anything else (tuples, buffers, subclasses, a non-str key) and
+    for anything :func:`_payload` would refuse (too deep, too large, not encodable): the
+    caller then walks the value again with :func:`_payload`, which accepts it or raises the
+    error a client sees. So the fast walk only ever accepts what the slow one accepts, and
+    returns what it would return."""
+    t = type(value)
+    if t is str:
+        return value, _str_size(value)  # type: ignore[arg-type]
+    if t is int:
+        if not _INT_MIN <= value <= _UINT_MAX:  # type: ignore[operator]
+            raise _SLOW
+        return value, _int_size(value)  # type: ignore[arg-type]
+    if value is None or t is bool:
+        return value, 1
+    if t is float:
+        if not math.isfinite(value):  # type: ignore[arg-type]
+            raise _SLOW
+        return value, 9
+    if t is bytes:
+        n = len(value)  # type: ignore[arg-type]
+        return value, (2 if n < 256 else 3 if n < 65_536 else 5) + n
+    if t is dict:
+        if depth >= MAX_PAYLOAD_DEPTH:
+            raise _SLOW
+        items = value.items()  # type: ignore[attr-defined]
+        n = len(items)
+        if n > MAX_TASK_BYTES:
+            raise _SLOW
+        size = 1 if n < 16 else 3 if n < 65_536 else 5
+        out: dict[str, object] = {}
+        for key, item in items:
+            if type(key) is not str:
+                raise _SLOW
+            size += _str_size(key)
+            copied, used = _fast_payload(item, depth + 1)
+            out[key] = copied
+            size += used
+            if size > MAX_TASK_BYTES:
+                raise _SLOW
+        return out, size
+    if t is list:
+        if depth >= MAX_PAYLOAD_DEPTH:
+            raise _SLOW
+        n = len(value)  # type: ignore[arg-type]
+        if n > MAX_TASK_BYTES:
+            raise _SLOW
+        size = 1 if n < 16 else 3 if n < 65_536 else 5
+        copy_: list[object] = []
+        for item in value:  # type: ignore[attr-defined]
+            copied, used = _fast_payload(item, depth + 1)
+            copy_.append(copied)
+            size += used
+            if size > MAX_TASK_BYTES:
+                raise _SLOW
+        return copy_, size
+    raise _SLOW
+
+
 def _argv(value: object, field: str, *, non_empty: bool) -> list[str]:
     if not _is_list(value):
         raise JobSpecError(f"must be a list of strings, got {_kind(value)}", field=field)
@@ -381,8 +463,24 @@ def _object(value: object, field: str, what: str, known: Iterable[str]) -> Mappi
     return value
 
 
+_TASK_WHAT: Final = f"one of {', '.join(TASK_KINDS)}"
+_TASK_KEYS_SORTED: Final = tuple(sorted(_TASK_KEYS))
+#: {"payload": ...} around a payload: a one-entry map header and the 8-byte key.
+_PAYLOAD_WRAP_BYTES: Final = 1 + _packed_size("payload")
+
+
 def _parse_task(value: object) -> dict[str, object]:
-    value = _object(value, "task", f"one of {', '.join(TASK_KINDS)}", sorted(_TASK_KEYS))
+    if type(value) is dict and len(value) == 1 and "payload" in value:
+        # The commonest task (a payload alone), walked without field names; anything the
+        # fast walk leaves (see _fast_payload) takes the general path below.
+        try:
+            payload, size = _fast_payload(value["payload"], 0)
+        except _Slow:
+            pass
+        else:
+            if size + _PAYLOAD_WRAP_BYTES <= MAX_TASK_BYTES:
+                return {"payload": payload}
+    value = _object(value, "task", _TASK_WHAT, _TASK_KEYS_SORTED)
     kinds = [k for k in TASK_KINDS if k in value]
     if not kinds:
         raise JobSpecError(f"one of {', '.join(TASK_KINDS)} is required", field="task")
@@ -403,7 +501,7 @@ def _parse_task(value: object) -> dict[str, object]:
         task = {"payload": _payload(value["payload"], "task.payload", 0, budget)}
         # The walk spent exactly the payload's encoded size; add {"payload": ...} around it
         # (a one-entry map header and the 8-byte key) instead of walking it a second time.
-        size = 1 + _packed_size("payload") + MAX_TASK_BYTES - budget.left
+        size = _PAYLOAD_WRAP_BYTES + MAX_TASK_BYTES - budget.left
         if size > MAX_TASK_BYTES:
             raise JobSpecError(
                 f"the task is {size} bytes encoded; the limit is {MAX_TASK_BYTES} (256 KiB)",
@@ -497,13 +595,34 @@ class Policy:
         the rendering is cached per distinct policy (formatting durations is most of a create's
         cost otherwise, and a shard has few distinct policies).
         """
-        cached = _POLICY_DICTS.get(self)
-        if cached is None:
-            if len(_POLICY_DICTS) >= _POLICY_DICT_CACHE:
-                _POLICY_DICTS.clear()
-            cached = _POLICY_DICTS[self] = self._render()
+        last = _LAST_POLICY_DICT[0]
+        if last[0] is self:  # jobs created together mostly share one policy object
+            cached = last[1]
+        else:
+            found = _POLICY_DICTS.get(self)
+            if found is None:
+                if len(_POLICY_DICTS) >= _POLICY_DICT_CACHE:
+                    _POLICY_DICTS.clear()
+                found = _POLICY_DICTS[self] = self._render()
+            cached = found
+            _LAST_POLICY_DICT[0] = (self, cached)
         out = dict(cached)
         out["retries"] = dict(cached["retries"])  # type: ignore[call-overload]
+        return out
+
+    def spec_template(self) -> dict[str, object]:
+        """A fresh dict with every key of a stored spec in its order (:meth:`JobSpec.to_dict`):
+        this policy's keys as :meth:`to_dict` renders them, the job's own keys None."""
+        last = _LAST_TEMPLATE[0]
+        if last[0] is self:
+            template = last[1]
+        else:
+            template = {"id": None, "schedule": None, "task": None}
+            template.update(self.to_dict())
+            template.update(after=None, paused=None, labels=None, replace=None)
+            _LAST_TEMPLATE[0] = (self, template)
+        out = template.copy()
+        out["retries"] = dict(template["retries"])  # type: ignore[call-overload]
         return out
 
     def _render(self) -> dict[str, object]:
@@ -528,6 +647,10 @@ class Policy:
 #: Rendered policies (see :meth:`Policy.to_dict`), cleared when it reaches its bound.
 _POLICY_DICTS: dict[Policy, dict[str, object]] = {}
 _POLICY_DICT_CACHE: Final = 4096
+#: The policy rendered last and its rendering: found by identity, without hashing 14 fields.
+_LAST_POLICY_DICT: list[tuple[Policy | None, dict[str, object]]] = [(None, {})]
+#: The policy whose spec template (:meth:`Policy.spec_template`) was made last, and it.
+_LAST_TEMPLATE: list[tuple[Policy | None, dict[str, object]]] = [(None, {})]
 
 
 def _duration(value: object, field: str) -> int:
@@ -649,7 +772,10 @@ def _policy_key_part(value: object) -> object:
 
 def _parse_policy_cached(spec: Mapping[str, object]) -> Policy:
     """:func:`_parse_policy`, kept per distinct raw policy values (errors are not kept)."""
-    key = tuple((k, _policy_key_part(spec[k])) for k in POLICY_KEYS if k in spec)
+    if _POLICY_KEY_SET.isdisjoint(spec):  # most specs: every policy field its default
+        key: tuple[object, ...] = ()
+    else:
+        key = tuple((k, _policy_key_part(spec[k])) for k in POLICY_KEYS if k in spec)
     policy = _PARSED_POLICIES.get(key)
     if policy is None:
         policy = _parse_policy(spec)
@@ -812,12 +938,12 @@ class JobSpec:
         unless ``copy_task=False``: then the task is this spec's own (for a record that is only
         encoded, never changed).
         """
-        out: dict[str, object] = {
-            "id": self.id,
-            "schedule": self.schedule.to_spec(),
-            "task": copy.deepcopy(self.task) if copy_task else self.task,
-        }
-        out.update(self.policy.to_dict())
+        # A copy of the policy's template (every key in place, in the stored order) with
+        # this job's fields set: cheaper than building the 16 keys again.
+        out = self.policy.spec_template()
+        out["id"] = self.id
+        out["schedule"] = self.schedule.to_spec()
+        out["task"] = copy.deepcopy(self.task) if copy_task else self.task
         out["after"] = list(self.after)
         out["paused"] = self.paused
         out["labels"] = dict(self.labels)
@@ -886,31 +1012,61 @@ def validate_job(spec: Mapping[str, object], *, now_ms: int) -> JobSpec:
     and scalars. Fields are checked in :data:`JOB_KEYS` order, so the first error is stable.
     Cost: O(size of the spec), the task walk bounded by :data:`MAX_TASK_BYTES`.
     """
-    if not isinstance(spec, Mapping):
+    if type(spec) is not dict and not isinstance(spec, Mapping):  # (an ABC check is slow)
         raise JobSpecError(f"a job spec must be an object, got {_kind(spec)}", field=None)
     if isinstance(now_ms, bool) or not isinstance(now_ms, int):
         raise JobSpecError(f"must be integer milliseconds, got {_kind(now_ms)}", field="now_ms")
-    for key in spec:
-        if key not in _JOB_KEY_SET:
-            raise JobSpecError(
-                f"unknown key {key!r}; known keys: {', '.join(JOB_KEYS)}", field=_sub("", key)
-            )
+    if not spec.keys() <= _JOB_KEY_SET:  # (one C-level check for the usual spec)
+        for key in spec:
+            if key not in _JOB_KEY_SET:
+                raise JobSpecError(
+                    f"unknown key {key!r}; known keys: {', '.join(JOB_KEYS)}",
+                    field=_sub("", key),
+                )
     for key in ("id", "schedule", "task"):
         if key not in spec:
             raise JobSpecError("is required", field=key)
     job_id = validate_job_id(spec["id"])
-    schedule = parse_schedule(spec["schedule"], created_ms=now_ms, job_id=job_id)
+    schedule = _schedule(spec["schedule"], now_ms, job_id)
     task = _parse_task(spec["task"])
     policy = _parse_policy_cached(spec)
     if policy.on_timeout_target == job_id:
         raise JobSpecError(
             "a job cannot trigger itself on timeout; use 'retry:N'", field="on_timeout"
         )
-    after = _parse_after(spec.get("after", []), job_id)
+    # Absent optional fields are their defaults, without parsing a default value.
+    after = _parse_after(spec["after"], job_id) if "after" in spec else ()
     paused = _bool(spec, "paused")
-    labels = _parse_labels(spec.get("labels", {}))
+    labels = _parse_labels(spec["labels"]) if "labels" in spec else ()
     replace = _bool(spec, "replace")
     return JobSpec(job_id, schedule, task, policy, after, paused, labels, replace)
+
+
+#: Schedules validated, by their raw text: jobs submitted together usually share one (a
+#: batch of one-shots due at the same minute, a fleet of jobs on one cron rule), and parsing
+#: an instant or a rule is a fifth of validating a spec. Only schedules whose result depends
+#: on nothing but the spec (no jitter, which depends on the job id; no ``every`` without a
+#: start, which depends on the creation time). A bound (cleared when full), not an LRU;
+#: errors are not kept.
+_SCHEDULES: dict[tuple[tuple[str, str], ...], Schedule] = {}
+_SCHEDULE_CACHE: Final = 4096
+
+
+def _schedule(raw: object, now_ms: int, job_id: str) -> Schedule:
+    """:func:`parse_schedule` of a job's schedule, kept per raw spec when it may be."""
+    if type(raw) is not dict or "jitter" in raw or ("every" in raw and "start" not in raw):
+        return parse_schedule(raw, created_ms=now_ms, job_id=job_id)
+    items = tuple(raw.items())
+    for _key, value in items:
+        if type(value) is not str:  # (a str key and value alone: the key is its text)
+            return parse_schedule(raw, created_ms=now_ms, job_id=job_id)
+    schedule = _SCHEDULES.get(items)
+    if schedule is None:
+        schedule = parse_schedule(raw, created_ms=now_ms, job_id=job_id)
+        if len(_SCHEDULES) >= _SCHEDULE_CACHE:
+            _SCHEDULES.clear()
+        _SCHEDULES[items] = schedule
+    return schedule
 
 
 def apply_update(current: JobSpec, changes: Mapping[str, object], *, now_ms: int) -> JobSpec:

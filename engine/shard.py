@@ -52,6 +52,7 @@ from engine.effects import (
     ClockJump,
     Command,
     CreateJob,
+    CreateJobs,
     Dispatch,
     Durable,
     Effect,
@@ -344,6 +345,9 @@ class ShardEngine:
         self._free_slots: list[int] = []
         self._next_slot = 0
         self._live_spec: JobSpec | None = None
+        # (schedule or None, policy, after, profile id) of the last job created live: see
+        # _apply_job. Holds the objects themselves, so that identity stands for equality.
+        self._last_profile: tuple[Schedule | None, Policy, tuple[str, ...], int] | None = None
         self._outbox: dict[int, Record] = {}
         # upstream job id -> ids of jobs (on any shard) that run after its successes
         self._dependents: dict[str, set[str]] = {}
@@ -925,8 +929,25 @@ class ShardEngine:
     def _apply_job(self, r: Record, recovering: bool) -> None:
         key = r["key"]
         # Live, the validated spec is at hand; a replay parses only what a profile holds.
-        if self._live_spec is not None:
-            pid = self._intern(_Profile.of(self._live_spec))
+        live = self._live_spec
+        if live is not None:
+            # Jobs created together mostly share one profile (one-shots of one policy, a
+            # fleet on one rule): the last one is reused when the spec holds the very same
+            # objects, without building and hashing a profile (a policy hashes 14 fields).
+            memo = self._last_profile
+            schedule = live.schedule
+            part = None if type(schedule) is AtSchedule else schedule
+            if (
+                memo is not None
+                and memo[1] is live.policy
+                and memo[2] is live.after
+                and memo[0] is part
+                and (part is None or not part.jitter_ms)
+            ):
+                pid = memo[3]
+            else:
+                pid = self._intern(_Profile.of(live))
+                self._last_profile = (part, live.policy, live.after, pid)
         else:
             pid = self._stored_profile(r["spec"])
         existed = self._exists(key)
@@ -1055,13 +1076,26 @@ class ShardEngine:
         try:
             # Records are encoded, never changed: the spec's task need not be copied.
             stored = spec.to_dict(copy_task=False)
-            self._emit(rec.make("job", key=key, id=spec.id, ver=version, spec=stored))
+            self._emit(
+                {
+                    "t": "job",
+                    "v": rec.FORMAT_VERSION,
+                    "key": key,
+                    "id": spec.id,
+                    "ver": version,
+                    "spec": stored,
+                }
+            )
         finally:
             self._live_spec = None
 
     def _persist_pos(self, key: int) -> None:
+        self._persist_pos_at(key, self._next_due(key))
+
+    def _persist_pos_at(self, key: int, nxt: int | None) -> None:
+        """:meth:`_persist_pos` when the caller knows the job's next fire time, ``nxt``: what
+        ``_next_due(key)`` would say (the caller has just set it)."""
         flags = self._flags[key]
-        nxt = self._next_due(key)
         gone = bool(flags & _GONE)
         # Every owed time before the next fire time is accounted for (by a run or a skip
         # record); a cancelled job owes nothing after now; an exhausted one owes nothing more.
@@ -1071,29 +1105,45 @@ class ShardEngine:
             acct = ACCT_EXHAUSTED
         else:
             acct = nxt - 1
+        # A dict literal rather than records.make(): this runs for every create.
         self._emit(
-            rec.make(
-                "pos",
-                key=key,
-                next=nxt,
-                acct=acct,
-                paused=bool(flags & _PAUSED),
-                gone=gone,
-                why="paused" if flags & _LATE_PAUSED else "catchup",
-            )
+            {
+                "t": "pos",
+                "v": rec.FORMAT_VERSION,
+                "key": key,
+                "next": nxt,
+                "acct": acct,
+                "paused": bool(flags & _PAUSED),
+                "gone": gone,
+                "why": "paused" if flags & _LATE_PAUSED else "catchup",
+            }
         )
 
     # =============================================================== job commands
 
     def _create(self, cmd: CreateJob) -> None:
-        spec = cmd.spec
+        self._reply_after_durable(cmd.request_id, self._create_job(cmd.spec))
+
+    def _create_jobs(self, cmd: CreateJobs) -> None:
+        # One reply for the lot: under a bulk create, a reply object per job (and the driver's
+        # slot and callback for it) was a good part of a create's cost.
+        results: list[dict[str, Any] | EngineError] = []
+        for spec in cmd.specs:
+            try:
+                results.append(self._create_job(spec))
+            except EngineError as error:
+                results.append(error)
+        self._reply_after_durable(cmd.request_id, {"results": results})
+
+    def _create_job(self, spec: JobSpec) -> dict[str, Any]:
+        """Create (or, with ``replace``, update) the job ``spec``; return its description.
+        Raises :class:`JobExists` (nothing changed) for a live job without ``replace``."""
         existing = self._key_of(spec.id)
         live = existing is not None and self._exists(existing) and not self._flags[existing] & _GONE
         if live and not spec.replace:
             raise JobExists(f"job {spec.id!r} exists (set replace to overwrite)", field="id")
         if live:
-            self._update(UpdateJob(cmd.request_id, spec), as_create=True)
-            return
+            return self._update_job(spec, as_create=True)
         to_pin: list[tuple[_Run, dict[str, Any]]] = []
         if existing is not None and self._exists(existing):
             # A cancelled job's key: its runs still in flight keep their version's spec.
@@ -1107,9 +1157,11 @@ class ShardEngine:
         self._buffered.pop(key, None)
         self._flags[key] = _PAUSED if spec.paused else 0
         self._held_next.pop(key, None)
-        self._set_next(key, self._first_due(spec))
-        self._persist_pos(key)
-        self._reply_after_durable(cmd.request_id, self._describe(key, spec.id))
+        nxt = self._first_due(spec)
+        self._set_next(key, nxt)
+        # Not cancelled: its next fire time is now nxt, in the wheel or held while paused.
+        self._persist_pos_at(key, nxt)
+        return self._describe_at(key, spec.id, nxt)
 
     def _runs_to_pin(self, key: int) -> list[tuple[_Run, dict[str, Any]]]:
         """Runs of job ``key`` not final and not pinned yet, with the spec they execute: read
@@ -1134,25 +1186,29 @@ class ShardEngine:
             return spec.schedule.next_after(-(2**62))
         return nxt
 
-    def _update(self, cmd: UpdateJob, *, as_create: bool = False) -> None:
-        key = self._job_key(cmd.spec.id)
+    def _update(self, cmd: UpdateJob) -> None:
+        self._reply_after_durable(cmd.request_id, self._update_job(cmd.spec, as_create=False))
+
+    def _update_job(self, spec: JobSpec, *, as_create: bool) -> dict[str, Any]:
+        """The job's new version ``spec``; its description. Raises :class:`JobNotFound`."""
+        key = self._job_key(spec.id)
         self._skip_unfired(key, "updated")  # the new version replaces them
         old_version = self._ver[key]
         old_after = self._profile(key).after
         to_pin = self._runs_to_pin(key)
         self._unarm(key)
-        self._emit_job(key, old_version + 1, cmd.spec)
-        self._pin(key, to_pin, cmd.spec.id)
-        self._send_registrations(cmd.spec.id, old_after, cmd.spec.after)
+        self._emit_job(key, old_version + 1, spec)
+        self._pin(key, to_pin, spec.id)
+        self._send_registrations(spec.id, old_after, spec.after)
         # The new version owes its fire times after now (those of the old version up to now
         # were run or skipped); a replacing create owes what a fresh create would.
         if as_create:
-            nxt = self._first_due(cmd.spec)
+            nxt = self._first_due(spec)
         else:
-            nxt = cmd.spec.schedule.next_after(self._wall)
+            nxt = spec.schedule.next_after(self._wall)
         self._set_next(key, nxt)
         self._persist_pos(key)
-        self._reply_after_durable(cmd.request_id, self._describe(key, cmd.spec.id))
+        return self._describe(key, spec.id)
 
     def _cancel(self, cmd: CancelJob) -> None:
         key = self._job_key(cmd.job_id)
@@ -1200,13 +1256,19 @@ class ShardEngine:
         self._reply_after_durable(cmd.request_id, self._describe(key, cmd.job_id))
 
     def _describe(self, key: int, job_id: str) -> dict[str, Any]:
+        return self._describe_at(key, job_id, self._next_due(key))
+
+    def _describe_at(self, key: int, job_id: str, nxt: int | None) -> dict[str, Any]:
+        """:meth:`_describe` when the caller knows ``_next_due(key)``: ``nxt``."""
         paused = bool(self._flags[key] & _PAUSED)
         return {
             "id": job_id,
             "version": self._ver[key],
-            "next_fire_ms": None if paused else self._next_due(key),
+            "next_fire_ms": None if paused else nxt,
             "paused": paused,
-            "active_runs": sorted(run_id(job_id, at) for at in self._times(key)),
+            "active_runs": sorted(run_id(job_id, at) for at in self._times(key))
+            if key in self._active
+            else [],
         }
 
     # =============================================================== firing
@@ -1904,6 +1966,7 @@ class ShardEngine:
         policies = [parse_policy(p) for p in meta.get("policies", ())]
         self._profiles = [_Profile.from_dict(d, policies) for d in meta["profiles"]]
         self._profile_ids = {p.identity(): i for i, p in enumerate(self._profiles)}
+        self._last_profile = None
         n = int(meta["next_key"])
         ver = np.ascontiguousarray(arrays["ver"][:n], dtype=np.uint32)
         prof = np.ascontiguousarray(arrays["prof"][:n], dtype=np.int32)
@@ -1982,6 +2045,7 @@ class ShardEngine:
 
 _HANDLERS: dict[type[Any], Any] = {
     CreateJob: ShardEngine._create,
+    CreateJobs: ShardEngine._create_jobs,
     UpdateJob: ShardEngine._update,
     CancelJob: ShardEngine._cancel,
     PauseJob: ShardEngine._pause,

@@ -523,12 +523,7 @@ class ShardStore:
                     }
                 _route_fire(record, index, rewritten, pack, puts, runs, pos)
             elif kind == "job":
-                key, job_id = record["key"], record["id"]
-                if not isinstance(job_id, str):
-                    raise InvalidBatch(f"job record of key {key} has a non-str id {job_id!r}")
-                jk = codec.i64(key)
-                puts.append((_JOBS, jk, pack([record["ver"], record["spec"], job_id])))
-                puts.append((_INDEX, job_id.encode(), jk))
+                _route_job(record, data, pack, puts)
             elif kind == "skip" or kind == "note":
                 key = record["key"]
                 when = record["lo"] if kind == "skip" else record["at"]
@@ -1340,6 +1335,46 @@ def _route_fire(
         pk = codec.i64(key)
         puts.append((_POS, pk, _POS_BYTES[cls] + data))
         pos.append((pk, cls))
+
+
+#: A job record's keys in the order the engine makes them: its spec then sits at a known place
+#: in its encoding (see _route_job).
+_JOB_RECORD_KEYS: Final = ("t", "v", "key", "id", "ver", "spec", "e")
+_SPEC_KEY: Final = b"\xa4spec"
+#: The bytes of a job record before its spec, besides the values of v, key, id and ver: the
+#: map header and the pairs' keys, and "t": "job" (1 + 2 + 4 + 2 + 4 + 3 + 4).
+_JOB_PREFIX_BYTES: Final = 20
+
+
+def _route_job(
+    record: Record, data: bytes, pack: Any, puts: list[tuple[int, bytes, bytes]]
+) -> None:
+    """The ``jobs`` row ``[version, spec, id]`` and the ``index`` row of a job record whose
+    encoding is ``data``. The spec's bytes are taken from ``data`` rather than encoded a second
+    time (a spec is most of a create's bytes): in the engine's key order the spec is the
+    value between the ``spec`` key and the trailing ``e`` pair, whose sizes are known. Any
+    other layout encodes the row from the record, with the same bytes."""
+    key, job_id, version = record["key"], record["id"], record["ver"]
+    if not isinstance(job_id, str):
+        raise InvalidBatch(f"job record of key {key} has a non-str id {job_id!r}")
+    packed_id, packed_version = pack(job_id), pack(version)
+    spec: bytes | None = None
+    if tuple(record) == _JOB_RECORD_KEYS and data[0] == 0x87:  # (0x87: a map of 7)
+        start = (
+            _JOB_PREFIX_BYTES
+            + len(pack(record["v"]))
+            + len(pack(key))
+            + len(packed_id)
+            + len(packed_version)
+        )
+        tail = _EPOCH_KEY + pack(record["e"])
+        if data.startswith(_SPEC_KEY, start) and data.endswith(tail):
+            spec = data[start + len(_SPEC_KEY) : len(data) - len(tail)]
+    if spec is None:
+        spec = pack(record["spec"])
+    jk = codec.i64(key)
+    puts.append((_JOBS, jk, b"".join((b"\x93", packed_version, spec, packed_id))))
+    puts.append((_INDEX, job_id.encode(), jk))
 
 
 def _route_pos(

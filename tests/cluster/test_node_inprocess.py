@@ -261,3 +261,72 @@ def test_a_run_that_waits_never_holds_up_the_runs_dispatched_with_it(tmp_path: P
             nursery.cancel_scope.cancel()
 
     run_with_node(tmp_path, body)
+
+
+def _bulk_specs() -> list[Any]:
+    """A batch longer than a create_many chunk, over both shards: new jobs, a repeat inside
+    the batch, jobs that exist (with and without replace), bad specs of every layer."""
+    at = {"at": "2031-01-01T00:00:00Z"}
+    specs: list[Any] = []
+    for i in range(600):
+        if i % 97 == 5:
+            specs.append({"id": f"bulk-{i}", "schedule": {"cron": "61 * * * *"}, "task": {}})
+        elif i % 89 == 7:
+            specs.append({"id": f"bulk-{i}", "schedule": at, "task": {"payload": [float("inf")]}})
+        elif i % 83 == 3:
+            specs.append(["not", "a", "map"])
+        elif i % 79 == 2:
+            specs.append({"id": "bulk-1", "schedule": at, "task": {"payload": i}})  # repeat
+        elif i % 71 == 1:
+            specs.append({"id": "pre-1", "schedule": at, "task": {"payload": i}})  # exists
+        elif i % 67 == 4:
+            specs.append({"id": "pre-2", "schedule": at, "task": {"payload": i}, "replace": True})
+        else:
+            schedule = at if i % 3 else {"every": "1h", "start": "2031-01-01T00:00:00Z"}
+            specs.append({"id": f"bulk-{i}", "schedule": schedule, "task": {"payload": i}})
+    return specs
+
+
+def test_create_many_answers_as_the_creates_one_by_one(tmp_path: Path) -> None:
+    # Bulk creates go to the shards as one command per shard and chunk; what each spec gets
+    # back must be what a job.create of it, in the batch's order, would have got.
+    answers: dict[str, list[Any]] = {}
+
+    async def setup(client: Client) -> None:
+        for job_id in ("pre-1", "pre-2"):
+            await client.create(
+                {"id": job_id, "schedule": {"cron": "0 0 1 1 *"}, "task": {"payload": 0}}
+            )
+
+    async def bulk(client: Client, port: int) -> None:
+        await setup(client)
+        reply = await client.request("job.create_many", {"specs": _bulk_specs()})
+        answers["many"] = reply["results"]
+
+    async def one_by_one(client: Client, port: int) -> None:
+        await setup(client)
+        out: list[Any] = []
+        for spec in _bulk_specs():
+            try:
+                if not isinstance(spec, dict):
+                    raise RemoteError("bad_args", "", "")
+                result = await client.request("job.create", {"spec": spec})
+                out.append({"ok": True, "result": result})
+            except RemoteError as exc:
+                out.append({"ok": False, "error": [exc.code, exc.message, exc.field]})
+        answers["one"] = out
+
+    run_with_node(tmp_path / "bulk", bulk)
+    run_with_node(tmp_path / "one", one_by_one)
+    many, one = answers["many"], answers["one"]
+    assert len(many) == len(one) == 600
+    for i, (m, o) in enumerate(zip(many, one, strict=True)):
+        assert m["ok"] == o["ok"], (i, m, o)
+        if m["ok"]:
+            assert m["result"] == o["result"], (i, m, o)
+        elif isinstance(_bulk_specs()[i], dict):
+            error = m["error"]
+            assert [error["code"], error["message"], error["field"]] == o["error"], (i, m, o)
+        else:
+            assert m["error"]["field"] == f"specs[{i}]"
+    assert sum(1 for m in many if m["ok"]) > 500

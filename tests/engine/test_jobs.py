@@ -922,3 +922,104 @@ def test_the_policy_cache_tells_booleans_from_numbers_and_keeps_no_errors() -> N
     assert job(retries={"factor": 2}).policy.retry_factor == 2.0
     with pytest.raises(JobSpecError):
         job(retries={"factor": True})
+
+
+# The payload's fast walk (exact dicts, lists and scalars, no field names) against the general
+# walk it stands in for: a task that is not a plain dict (a mapping proxy) always takes the
+# general path, so both must accept the same payloads, return equal copies and raise the same
+# errors (type, field, message).
+payload_leaves = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**64), 2**65),
+    st.floats(),
+    st.text(st.characters(exclude_categories=()), max_size=40),
+    st.binary(max_size=300),
+    st.builds(bytearray, st.binary(max_size=3)),
+    st.sampled_from(["\ud800", "é" * 20, "x" * 31, "x" * 32, "x" * 255, "x" * 256]),
+)
+payloads = st.recursive(
+    payload_leaves,
+    lambda inner: (
+        st.lists(inner, max_size=20)
+        | st.lists(inner, max_size=3).map(tuple)
+        | st.dictionaries(st.text(max_size=40) | st.integers(0, 3) | st.binary(max_size=2), inner)
+    ),
+    max_leaves=40,
+)
+
+
+def _task_outcome(task: Any) -> tuple[str, Any]:
+    try:
+        return "ok", job(task=task).task
+    except EngineUsageError as exc:
+        return type(exc).__name__, (exc.field, str(exc))
+
+
+@PROPERTY
+@given(payloads)
+def test_property_fast_payload_walk_matches_the_general_one(payload: Any) -> None:
+    from types import MappingProxyType
+
+    fast = _task_outcome({"payload": payload})
+    general = _task_outcome(MappingProxyType({"payload": payload}))
+    assert fast == general
+    if fast[0] == "ok":
+        packed = msgpack.packb(fast[1], use_bin_type=True)
+        assert len(packed) <= MAX_TASK_BYTES
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        "x" * (MAX_TASK_BYTES - 20),  # the largest that fits, and just over it
+        "x" * (MAX_TASK_BYTES - 14),
+        "x" * (MAX_TASK_BYTES - 13),
+        ["x" * 1000] * 300,
+        list(range(MAX_TASK_BYTES + 1)),
+        {"k": [[[[float("nan")]]]]},
+        {"k": {"\udc80": 1}},
+        [2**64],
+    ],
+)
+def test_fast_payload_walk_at_the_limits(payload: Any) -> None:
+    from types import MappingProxyType
+
+    fast = _task_outcome({"payload": payload})
+    assert fast == _task_outcome(MappingProxyType({"payload": payload}))
+
+
+def test_deep_and_self_referencing_payloads_take_the_general_walk() -> None:
+    from types import MappingProxyType
+
+    deep: object = 1
+    for _ in range(MAX_PAYLOAD_DEPTH + 1):
+        deep = {"a": deep}
+    fast = _task_outcome({"payload": deep})
+    assert fast[0] == "JobSpecError" and "nested deeper" in fast[1][1]
+    assert fast == _task_outcome(MappingProxyType({"payload": deep}))
+    loop: dict[str, object] = {}
+    loop["a"] = loop
+    assert _task_outcome({"payload": loop})[0] == "JobSpecError"
+
+
+def test_schedules_shared_by_raw_text_keep_what_depends_on_the_job() -> None:
+    # Kept per raw spec: equal raw schedules give equal results, but a jitter (drawn for the
+    # job id) and an every without start (starting at creation) are never shared.
+    a = validate_job(spec(id="a", schedule={"at": "2026-03-01T00:00:00Z"}), now_ms=NOW)
+    b = validate_job(spec(id="b", schedule={"at": "2026-03-01T00:00:00Z"}), now_ms=NOW + 5)
+    assert a.schedule == b.schedule
+    jittered = {"cron": "0 * * * *", "jitter": "30m"}
+    offsets = {
+        validate_job(
+            spec(id=f"j{i}", schedule=dict(jittered)), now_ms=NOW
+        ).schedule.jitter_offset_ms
+        for i in range(20)
+    }
+    assert len(offsets) > 1
+    first = validate_job(spec(schedule={"every": "1h"}), now_ms=NOW).schedule
+    second = validate_job(spec(schedule={"every": "1h"}), now_ms=NOW + 60_000).schedule
+    assert first.next_after(NOW) != second.next_after(NOW)
+    for _ in range(2):  # a refusal comes back every time (errors are not kept)
+        with pytest.raises(ScheduleError):
+            validate_job(spec(schedule={"at": "2026-13-01T00:00:00Z"}), now_ms=NOW)

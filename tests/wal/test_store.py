@@ -460,3 +460,54 @@ def test_a_group_is_one_log_entry_read_back_batch_by_batch(tmp_path: Path) -> No
         assert recovered.last_seq == 24 and recovered.snapshot_seq == 10
         assert [r["key"] for r in recovered.tail] == list(range(10, 24))
         assert store.write([batch(99, run(99, T0), epoch=2)]) == [25]
+
+
+# A job record's ``jobs`` row reuses the spec's bytes from the record's own encoding: it must
+# be byte for byte what encoding [version, spec, id] gives, whatever the values' sizes, the
+# epoch stamp, or a record whose keys are not in the engine's order.
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.text(max_size=40),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    key=st.integers(0, 2**62),
+    job_id=st.text(st.characters(min_codepoint=33, max_codepoint=0x2FF), min_size=1, max_size=300),
+    ver=st.integers(1, 2**32 - 1),
+    spec=st.dictionaries(st.text(max_size=12), _json, max_size=6),
+    epoch=st.none() | st.integers(0, 2**64 - 1),
+    reorder=st.booleans(),
+)
+def test_the_jobs_row_is_the_encoding_of_version_spec_id(
+    tmp_path_factory: pytest.TempPathFactory,
+    key: int,
+    job_id: str,
+    ver: int,
+    spec: dict[str, Any],
+    epoch: int | None,
+    reorder: bool,
+) -> None:
+    import msgpack
+
+    from engine.effects import Persist
+    from wal.store import _INDEX, _JOBS
+
+    record: dict[str, Any] = {"t": "job", "v": 1, "key": key, "id": job_id, "ver": ver}
+    record["spec"] = spec
+    if epoch is not None:
+        record["e"] = epoch
+    if reorder:
+        record = dict(reversed(list(record.items())))
+    path = tmp_path_factory.mktemp("jobs-row")
+    with open_store(path, epoch=1) as store:
+        prepared = store.prepare(Persist(1, 1, (record,)))
+        rows = {cf: (k, v) for cf, k, v in prepared.puts}
+        assert rows[_JOBS][1] == msgpack.packb([ver, spec, job_id], use_bin_type=True)
+        assert rows[_INDEX][0] == job_id.encode()
+        store.write_prepared([prepared])
+        latest = store.latest(key)
+        assert latest is not None and latest == (ver, spec)
+        assert store.key_of(job_id) == key

@@ -1,0 +1,113 @@
+"""CreateJobs (a driver's bulk create) against the CreateJob commands it stands for: the same
+records, the same state and, spec by spec, the same answers, whatever mix of new, existing,
+cancelled, replaced, duplicated and dependent jobs a batch holds."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine.effects import CancelJob, CreateJob, CreateJobs, Persist, Reply
+from engine.errors import EngineError, JobExists
+from engine.jobs import JobSpec, validate_job
+from tests.engine.harness import T0, Node
+
+IDS = [f"j{i}" for i in range(6)]
+
+spec_strategy = st.fixed_dictionaries(
+    {
+        "id": st.sampled_from(IDS),
+        "schedule": st.sampled_from(
+            [
+                {"at": "2026-01-01T01:00:00Z"},
+                {"at": "2025-12-31T23:00:00Z"},  # already past: still owed
+                {"every": "1h"},
+                {"cron": "*/5 * * * *"},
+            ]
+        ),
+        "task": st.sampled_from([{"payload": 1}, {"shell": "true"}]),
+    },
+    optional={
+        "replace": st.booleans(),
+        "paused": st.booleans(),
+        "after": st.sampled_from([["up-1"], ["up-1", "up-2"]]),
+        "delivery": st.sampled_from(["at_most_once", "at_least_once"]),
+    },
+)
+
+
+def _answer(reply: Reply | dict[str, Any] | EngineError) -> tuple[str, Any]:
+    if isinstance(reply, Reply):
+        if reply.error is not None:
+            return _answer(reply.error)
+        assert reply.result is not None
+        return ("ok", reply.result)
+    if isinstance(reply, EngineError):
+        return (type(reply).__name__, (reply.field, str(reply)))
+    return ("ok", reply)
+
+
+def _prepared(before: list[tuple[str, dict[str, Any]]]) -> Node:
+    node = Node()
+    for op, raw in before:
+        if op == "create":
+            node.do(CreateJob(node.request(), validate_job(raw, now_ms=T0)))
+        else:
+            node.do(CancelJob(node.request(), raw["id"]))
+    return node
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(st.tuples(st.sampled_from(["create", "cancel"]), spec_strategy), max_size=6),
+    st.lists(spec_strategy, min_size=1, max_size=12),
+)
+def test_create_jobs_is_the_create_jobs_one_by_one(
+    before: list[tuple[str, dict[str, Any]]], batch: list[dict[str, Any]]
+) -> None:
+    specs: list[JobSpec] = [validate_job(raw, now_ms=T0) for raw in batch]
+    one, many = _prepared(before), _prepared(before)
+    one.auto_durable = many.auto_durable = False
+    # One by one, as a driver's turn hands them over (one engine call, one batch).
+    ids = [one.request() for _ in specs]
+    effects_one = one.engine.handle_many(
+        [CreateJob(rid, s) for rid, s in zip(ids, specs, strict=True)], one.wall, one.mono
+    )
+    rid = many.request()
+    effects_many = many.engine.handle(CreateJobs(rid, tuple(specs)), many.wall, many.mono)
+
+    def records(effects: list[Any]) -> list[Any]:
+        return [r for e in effects if isinstance(e, Persist) for r in e.records]
+
+    assert records(effects_one) == records(effects_many)
+    if records(effects_one):  # then nothing is answered before the batch is durable
+        assert not [e for e in effects_one + effects_many if isinstance(e, Reply)]
+    one.absorb(effects_one)
+    many.absorb(effects_many)
+    one.flush()
+    many.flush()
+    answers = many.replies[rid].result
+    assert answers is not None
+    assert [_answer(a) for a in answers["results"]] == [_answer(one.replies[i]) for i in ids]
+    assert one.engine.snapshot() == many.engine.snapshot()
+    assert one.registrations == many.registrations
+
+
+def test_a_refused_spec_leaves_the_others_of_its_batch_alone() -> None:
+    node = Node()
+    first = validate_job(
+        {"id": "a", "schedule": {"every": "1h"}, "task": {"payload": 1}}, now_ms=T0
+    )
+    second = validate_job(
+        {"id": "b", "schedule": {"every": "1h"}, "task": {"payload": 2}}, now_ms=T0
+    )
+    reply = node.do(CreateJobs(node.request(), (first, first, second)))
+    assert reply is not None and reply.result is not None
+    a, dup, b = reply.result["results"]
+    assert a["id"] == "a" and a["version"] == 1
+    assert isinstance(dup, JobExists) and dup.field == "id"
+    assert b["id"] == "b" and b["version"] == 1
+    reply = node.do(CreateJobs(node.request(), ()))
+    assert reply is not None and reply.result == {"results": []}
