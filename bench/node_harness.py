@@ -169,10 +169,12 @@ def fdatasync_rate(directory: Path, *, count: int, max_s: float, size: int = 128
         path.unlink(missing_ok=True)
 
 
-def _durable_echo_server(listener: socket.socket, path: str) -> None:
-    """The far end of :func:`durable_echo_rate`: per request, one write + fdatasync, then a
-    small reply; ends when the peer closes."""
-    conn, _ = listener.accept()
+def _durable_echo_server(path: str, ports: multiprocessing.Queue[int]) -> None:
+    """The far end of :func:`durable_echo_rate`: listens on a port it reports in ``ports``;
+    per request, one write + fdatasync, then a small reply; ends when the peer closes."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        ports.put(listener.getsockname()[1])
+        conn, _ = listener.accept()
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
@@ -193,13 +195,14 @@ def durable_echo_rate(directory: Path, *, count: int, max_s: float) -> float:
     kernel's wake-ups and the disk. Up to ``count`` round trips or ``max_s`` seconds; returns
     round trips per second."""
     path = directory / "echo.bin"
-    listener = socket.create_server(("127.0.0.1", 0))
-    server = multiprocessing.get_context("fork").Process(
-        target=_durable_echo_server, args=(listener, str(path)), daemon=True
-    )
+    # forkserver, not fork: the caller has run Trio and may have threads whose locks a forked
+    # child would inherit.
+    context = multiprocessing.get_context("forkserver")
+    ports: multiprocessing.Queue[int] = context.Queue()
+    server = context.Process(target=_durable_echo_server, args=(str(path), ports), daemon=True)
     server.start()
     try:
-        with socket.create_connection(listener.getsockname()[:2]) as conn:
+        with socket.create_connection(("127.0.0.1", ports.get(timeout=60))) as conn:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             request = b"r" * 120
             done = 0
@@ -212,7 +215,6 @@ def durable_echo_rate(directory: Path, *, count: int, max_s: float) -> float:
                 done += 1
             return done / (time.perf_counter() - start)
     finally:
-        listener.close()
         server.join(10)
         if server.is_alive():
             server.kill()

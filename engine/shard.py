@@ -1687,9 +1687,14 @@ class ShardEngine:
         return run.due is None or run.due <= self._wall
 
     def _queue_or_wait(self, run: _Run) -> None:
+        if self._buffered.get(run.key) == run.at:
+            # overlap=buffer_one: it waits for the run before it, with no timer of its own
+            # (as live: _new_run arms none for it, and _forget_run releases it). A retry timer
+            # armed here would queue it at its time while the run before it is still active.
+            return
         if run.due is not None and run.due > self._wall:
             self._schedule_retry(run, run.due)
-        elif self._buffered.get(run.key) != run.at:
+        else:
             self._enqueue(run)
 
     def _dispatch_all(self) -> None:
@@ -1735,7 +1740,8 @@ class ShardEngine:
         worker.runs.add(run.ref)
         # The claim's record, made from the run, is not applied back (_emit): applying a
         # live record only keeps the job's bookkeeping, and a claim changes none of it (the
-        # run's time stays active; a buffered run is never queued, so never claimed).
+        # run's time stays active; a buffered run is never queued, so never claimed: see
+        # _queue_or_wait for the one path that used to queue it).
         record = self._run_record(run)
         record["e"] = self.epoch
         self._records.append(record)

@@ -212,7 +212,8 @@ def test_a_run_that_waits_never_holds_up_the_runs_dispatched_with_it(tmp_path: P
     """Runner tasks take each run's first step by hand and go on to the next queued run when it
     ends at once: a run that waits must hand the queue to another runner first. Runs that wait
     for a later run of the same dispatch (in whatever order they come) would hang otherwise;
-    one waits inside a cancel scope, so a trap is thrown back into a run started by hand."""
+    one times out inside a cancel scope, so a Cancelled is delivered into a run started by
+    hand (Trio sends it as the trap's outcome; the runner's throw path is not reached)."""
     released = trio.Event()
     done: list[str] = []
 

@@ -465,6 +465,38 @@ def test_recovery_reproduces_the_durable_state() -> None:
     assert recovered["dependents"] == live["dependents"]
 
 
+def test_a_recovered_buffered_run_waits_for_the_run_before_it() -> None:
+    """overlap=buffer_one across a restart: a triggered run buffered behind a running one, at
+    a time still ahead when the shard recovers, waits for that run to end, as it does live.
+    (Recovery used to arm its ready time as a retry timer, which queued it at that time while
+    the run before it still ran, and a claim then left it marked buffered.)"""
+    node = Node()
+    node.do(WorkerHello("w1", ("default",), 1))
+    node.create(id="j", schedule={"at": ISO.format(1)}, overlap="buffer_one")
+    node.advance(1000)
+    node.flush()
+    (first,) = node.tickets()
+    node.do(ReportStarted("w1", first.run_id, first.token))
+    node.do(TriggerJob(node.request(), "j", "src@1"))  # at wall + 1: buffered behind `first`
+    node.flush()
+    node.crash_and_recover()
+    node.do(WorkerHello("w1", ("default",), 2, ((first.run_id, first.token),)))  # re-attached
+    node.advance(50)
+    node.flush()
+    assert [t.run_id for t in node.tickets()] == [first.run_id]  # the buffered one waits
+    node.do(ReportFinished("w1", first.run_id, first.token, "success", 0))
+    node.flush()
+    node.advance(10)
+    node.flush()
+    second = node.tickets()[-1]
+    assert second.job_id == "j" and second.run_id != first.run_id  # released by the end
+    live = node.engine.snapshot()
+    snap_meta_runs = node.engine.export_snapshot().meta["runs"]
+    assert not any(r.get("buf") for r in snap_meta_runs)  # nothing left marked buffered
+    node.crash_and_recover()
+    assert node.engine.snapshot()["runs"] == live["runs"]
+
+
 def test_recover_refuses_an_epoch_not_newer_than_the_records() -> None:
     node = Node()
     once(node, "x")
