@@ -37,10 +37,13 @@ from cluster.worker import WorkerAgent
 from engine.effects import RunTicket
 from engine.schedules import format_utc
 
-DEFAULT_JOBS = 10_000
+DEFAULT_JOBS = 20_000
 PROCESSES = 2  # worker processes
 AGENTS = 2  # worker agents (connections) per process
-SLOTS = 32  # per agent
+#: Slots per agent, one measurement each. A run's cycle holds a group commit and two hops, so
+#: with few runs in flight the node and the workers take turns (each idle while the other
+#: works); more in flight lets them overlap and makes every batch larger.
+SLOTS_SWEEP = (32, 128)
 BATCH = 1_000
 PRELOAD_CAP_S = 40.0
 RUN_CAP_S = 45.0
@@ -203,7 +206,7 @@ async def _states(port: int, run_ids: list[str]) -> dict[str, str]:
     return states
 
 
-def measure(jobs: int, work_dir: Path) -> dict[str, Any]:
+def measure(jobs: int, work_dir: Path, slots: int) -> dict[str, Any]:
     with NodeProcess(shards=2, name="node-dispatch") as node:
         preload_s = trio.run(_preload, node.port, jobs)
         stats_files = [work_dir / f"worker-{p}.json" for p in range(PROCESSES)]
@@ -212,7 +215,7 @@ def measure(jobs: int, work_dir: Path) -> dict[str, Any]:
             for p, stats_file in enumerate(stats_files):
                 argv = python_argv(
                     "bench.dispatch_suite",
-                    ["worker", str(node.port), str(AGENTS), str(SLOTS), str(stats_file), str(p)],
+                    ["worker", str(node.port), str(AGENTS), str(slots), str(stats_file), str(p)],
                     profile_name=f"worker-dispatch-{p}",
                 )
                 procs.append(subprocess.Popen(argv, start_new_session=True))
@@ -282,47 +285,52 @@ async def _sample_states(port: int, job_ids: list[str]) -> list[str]:
 
 def run(args: argparse.Namespace) -> SuiteResult:
     jobs = args.jobs or DEFAULT_JOBS
-    with tempfile.TemporaryDirectory(prefix="tickwheel-dispatch-") as work_dir:
-        out = measure(jobs, Path(work_dir))
-    rate = out["done"] / out["seconds"] if out["seconds"] > 0 else 0.0
-    done = max(1, out["done"])
-    node_cpu = out["node_cpu_s"]
     result = SuiteResult("dispatch")
-    result.add(
-        Metric(
-            "executions_per_s",
-            rate,
-            "runs/s",
-            {
-                "jobs": jobs,
-                "completed": out["done"],
-                "seconds": round(out["seconds"], 3),
-                "worker_processes": PROCESSES,
-                "workers": PROCESSES * AGENTS,
-                "slots": SLOTS,
-                "sampled": out["sample"],
-                "sampled_success": out["sample_success"],
-                # CPU per run, which other load on the machine barely moves (the rate does):
-                "node_cpu_us_per_run": None if node_cpu is None else round(node_cpu / done * 1e6),
-                "worker_cpu_us_per_run": round(out["worker_cpu_s"] / done * 1e6),
-                "target": TARGET,
-            },
+    for slots in SLOTS_SWEEP:
+        with tempfile.TemporaryDirectory(prefix="tickwheel-dispatch-") as work_dir:
+            out = measure(jobs, Path(work_dir), slots)
+        rate = out["done"] / out["seconds"] if out["seconds"] > 0 else 0.0
+        done = max(1, out["done"])
+        node_cpu = out["node_cpu_s"]
+        result.add(
+            Metric(
+                "executions_per_s",
+                rate,
+                "runs/s",
+                {
+                    "jobs": jobs,
+                    "completed": out["done"],
+                    "seconds": round(out["seconds"], 3),
+                    "worker_processes": PROCESSES,
+                    "workers": PROCESSES * AGENTS,
+                    "slots": slots,
+                    "in_flight": PROCESSES * AGENTS * slots,
+                    "sampled": out["sample"],
+                    "sampled_success": out["sample_success"],
+                    # CPU per run, which other load on the machine barely moves (the rate does):
+                    "node_cpu_us_per_run": None
+                    if node_cpu is None
+                    else round(node_cpu / done * 1e6),
+                    "worker_cpu_us_per_run": round(out["worker_cpu_s"] / done * 1e6),
+                    "target": TARGET,
+                },
+            )
         )
-    )
-    result.add(
-        Metric(
-            "preload_jobs_per_s",
-            jobs / out["preload_s"] if out["preload_s"] > 0 else 0.0,
-            "jobs/s",
-            {"jobs": jobs, "via": "create_many", "batch": BATCH},
+        result.add(
+            Metric(
+                "preload_jobs_per_s",
+                jobs / out["preload_s"] if out["preload_s"] > 0 else 0.0,
+                "jobs/s",
+                {"jobs": jobs, "via": "create_many", "batch": BATCH, "slots": slots},
+            )
         )
-    )
+    sweep = " or ".join(str(s) for s in SLOTS_SWEEP)
     result.notes.extend(
         [
             f"{jobs} one-shot payload jobs due at once; {PROCESSES} worker processes x {AGENTS} "
-            f"agents x {SLOTS} slots, handler returns 0 at once; each run fired, claimed, "
-            "dispatched, started, finished SUCCESS and pulled again, every state change "
-            "through the node's group commit",
+            f"agents x {sweep} slots (one measurement each, on a fresh node), handler returns 0 "
+            "at once; each run fired, claimed, dispatched, started, finished SUCCESS and pulled "
+            "again, every state change through the node's group commit",
             "the clock runs from the first dispatch a worker received to the moment the last "
             "finished runs read back SUCCESS from the node",
             f"target: >= {TARGET:,} executions/s; db-scheduler (on PostgreSQL) publishes "

@@ -70,10 +70,12 @@ def test_lateness_suite_json_shape() -> None:
 
 def test_dispatch_suite_json_shape() -> None:
     data = bench("dispatch", 200)
-    by = {m["name"]: m for m in data["metrics"]}
-    assert set(by) == {"executions_per_s", "preload_jobs_per_s"}
-    ex = by["executions_per_s"]
-    assert ex["unit"] == "runs/s" and ex["value"] > 0 and ex["target"] == 10_000
-    assert ex["jobs"] == ex["completed"] == 200
-    # Every sampled run was read back SUCCESS from the node.
-    assert ex["sampled"] == ex["sampled_success"] == 200
+    assert {m["name"] for m in data["metrics"]} == {"executions_per_s", "preload_jobs_per_s"}
+    runs = [m for m in data["metrics"] if m["name"] == "executions_per_s"]
+    assert [m["slots"] for m in runs] == [32, 128]  # one measurement per slots setting
+    for ex in runs:
+        assert ex["unit"] == "runs/s" and ex["value"] > 0 and ex["target"] == 10_000
+        assert ex["jobs"] == ex["completed"] == 200
+        assert ex["in_flight"] == ex["workers"] * ex["slots"]
+        # Every sampled run was read back SUCCESS from the node.
+        assert ex["sampled"] == ex["sampled_success"] == 200
