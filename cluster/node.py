@@ -90,15 +90,16 @@ YIELD_EVERY = 64
 #: specs of a job.create_many validated between two yields, and sent to their shards as one
 #: command each: ~10 us of validation a spec, so a few ms between two yields
 CREATE_MANY_CHUNK = 256
-#: most commands in one engine call: bounds a turn's length (and so the wait of a fire or a
-#: dispatch behind it) while keeping batches large
+#: most commands in one engine call, a job.create_many chunk counting as its specs: bounds a
+#: turn's length (and so the wait of a fire or a dispatch behind it) while keeping batches
+#: large
 TURN_COMMANDS = 512
 #: runs out with workers whose shard the node remembers (beyond: computed from the run id)
 MAX_REMEMBERED_RUNS = 1_000_000
 #: a shard's log tail (records) after which the shard stores a snapshot
 SNAPSHOT_EVERY_RECORDS = 500_000
 #: the collector's thresholds of a node that owns its process (see Node.run)
-NODE_GC_THRESHOLDS: Final = (50_000, 20, 100)
+NODE_GC_THRESHOLDS: Final = (10_000, 20, 100)
 
 
 class NodeError(Exception):
@@ -312,9 +313,10 @@ class ShardHost:
         """One engine call for everything pending (or a tick when nothing is), one batch."""
         engine = self.engine
         pending = self.pending
-        if len(pending) > TURN_COMMANDS:
+        taken = turn_length(pending)
+        if taken < len(pending):
             # A bounded turn: its batch goes to the disk, and its dispatches out, sooner.
-            batch, self.pending = pending[:TURN_COMMANDS], pending[TURN_COMMANDS:]
+            batch, self.pending = pending[:taken], pending[taken:]
         else:
             batch, self.pending = pending, []
         if self.credits_changed and not self.pending:
@@ -721,17 +723,22 @@ def _finished_report(worker_id: str, index: int, report: object) -> ReportFinish
 
 def _error_reply(request: Request, exc: Exception) -> Message:
     """The typed error a failed request gets; a bug is logged, and the connection and the
-    node carry on."""
-    if isinstance(exc, EngineError):
-        return error(request.id, exc.code, str(exc), exc.field)
-    if isinstance(exc, StoreError):
-        return error(request.id, exc.code, str(exc))
-    if isinstance(exc, BadArgs):
-        return error(request.id, exc.code, exc.message, exc.field)
-    if isinstance(exc, ProtocolError):
-        return error(request.id, exc.code, exc.message)
-    log.exception("request %s failed", request.op)
-    return error(request.id, "internal", f"internal error: {type(exc).__name__}")
+    node carry on. ``exc`` loses its traceback: an engine refusal re-raised by ``_unwrap``
+    would otherwise hold the frame holding the reply holding it (a cycle, with the request's
+    spec and payload in it, that only the collector frees)."""
+    try:
+        if isinstance(exc, EngineError):
+            return error(request.id, exc.code, str(exc), exc.field)
+        if isinstance(exc, StoreError):
+            return error(request.id, exc.code, str(exc))
+        if isinstance(exc, BadArgs):
+            return error(request.id, exc.code, exc.message, exc.field)
+        if isinstance(exc, ProtocolError):
+            return error(request.id, exc.code, exc.message)
+        log.exception("request %s failed", request.op)
+        return error(request.id, "internal", f"internal error: {type(exc).__name__}")
+    finally:
+        exc.__traceback__ = None
 
 
 @dataclass
@@ -866,8 +873,11 @@ class Node:
                 # every few dozen creates and, the frozen state left out of its count of old
                 # objects, often went on to a full collection. Measured under create_many
                 # (perf samples of the node): ~17% of its CPU in the collector with the
-                # defaults, ~5% with these, the thresholds the simulation runs with. The
-                # cost: up to 50,000 young objects (a few MB) between two collections.
+                # defaults, ~5% with 50,000. 10,000 costs about as little (node CPU per
+                # create within the noise of 50,000's) and bounds what garbage in a cycle
+                # can pin before a collection: the objects are small, but one may hold a
+                # payload of up to 256 KiB. (Refusals no longer make such cycles: see
+                # _error_reply and engine.shard._bare.)
                 gc.set_threshold(*NODE_GC_THRESHOLDS)
             with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
                 async with trio.open_nursery() as nursery:
@@ -1381,6 +1391,20 @@ _OPS: dict[str, Callable[[Node, Connection, dict[str, Any]], Any]] = {
 
 
 # =============================================================================== wire shapes
+
+
+def turn_length(pending: Sequence[Command]) -> int:
+    """How many of ``pending`` one turn takes: commands up to :data:`TURN_COMMANDS`, a
+    :class:`CreateJobs` counting as its specs (a turn holds at most that many creates however
+    they came), and always at least one command. O(commands taken)."""
+    if len(pending) <= 1:
+        return len(pending)
+    weight = 0
+    for i, command in enumerate(pending):
+        weight += len(command.specs) if type(command) is CreateJobs else 1
+        if weight > TURN_COMMANDS:
+            return max(1, i)
+    return len(pending)
 
 
 def _unwrap(reply: Reply) -> dict[str, Any]:

@@ -1016,7 +1016,8 @@ def validate_job(spec: Mapping[str, object], *, now_ms: int) -> JobSpec:
         raise JobSpecError(f"a job spec must be an object, got {_kind(spec)}", field=None)
     if isinstance(now_ms, bool) or not isinstance(now_ms, int):
         raise JobSpecError(f"must be integer milliseconds, got {_kind(now_ms)}", field="now_ms")
-    if not spec.keys() <= _JOB_KEY_SET:  # (one C-level check for the usual spec)
+    # (one C-level check for the usual spec, a dict; another Mapping's keys() may not be a set)
+    if type(spec) is not dict or not spec.keys() <= _JOB_KEY_SET:
         for key in spec:
             if key not in _JOB_KEY_SET:
                 raise JobSpecError(

@@ -221,6 +221,13 @@ class _Profile:
         )
 
 
+def _bare(error: EngineError) -> EngineError:
+    """``error`` without its traceback, to be kept in a reply or a result list: a refusal's
+    traceback holds the frames it passed through, and they the command (a spec with its
+    payload) and the list keeping the error, a reference cycle only the collector frees."""
+    return error.with_traceback(None)
+
+
 @dataclass(slots=True)
 class _Run:
     key: int
@@ -475,11 +482,11 @@ class ShardEngine:
             if request_id is None:
                 # A worker's command (no request id): the driver tells the worker, which
                 # says hello again; the engine and the other effects are unharmed.
-                self._out.append(Refused(getattr(command, "worker_id", ""), error))
+                self._out.append(Refused(getattr(command, "worker_id", ""), _bare(error)))
             else:
                 # A refusal may rest on state not durable yet ("exists" for a create still in
                 # flight): like any reply, it waits until what it says cannot be undone.
-                self._after_durable.append(Reply(request_id, error=error))
+                self._after_durable.append(Reply(request_id, error=_bare(error)))
 
     def tick(self, wall_ms: int, mono_ms: int) -> list[Effect]:
         """Move time forward: fire due jobs, release retries, expire leases and timeouts."""
@@ -1132,7 +1139,7 @@ class ShardEngine:
             try:
                 results.append(self._create_job(spec))
             except EngineError as error:
-                results.append(error)
+                results.append(_bare(error))
         self._reply_after_durable(cmd.request_id, {"results": results})
 
     def _create_job(self, spec: JobSpec) -> dict[str, Any]:

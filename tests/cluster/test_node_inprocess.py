@@ -331,3 +331,29 @@ def test_create_many_answers_as_the_creates_one_by_one(tmp_path: Path) -> None:
         else:
             assert m["error"]["field"] == f"specs[{i}]"
     assert sum(1 for m in many if m["ok"]) > 500
+
+
+def test_a_turn_holds_at_most_turn_commands_creates_however_they_came() -> None:
+    """A create_many chunk is one command but many creates: the turn's bound counts its specs,
+    so a turn never holds more than TURN_COMMANDS creates (fires due meanwhile wait for the
+    turn to end)."""
+    from cluster.node import CREATE_MANY_CHUNK, TURN_COMMANDS, turn_length
+    from engine.effects import CreateJob, CreateJobs, Pull
+    from engine.jobs import validate_job
+
+    spec = validate_job(
+        {"id": "a", "schedule": {"at": "2031-01-01T00:00:00Z"}, "task": {"payload": 1}}, now_ms=0
+    )
+    chunk = CreateJobs(1, specs=(spec,) * CREATE_MANY_CHUNK)
+    assert turn_length([]) == 0 and turn_length([chunk]) == 1
+    many = [chunk] * 10
+    per_turn = TURN_COMMANDS // CREATE_MANY_CHUNK
+    assert turn_length(many) == per_turn
+    assert sum(len(c.specs) for c in many[:per_turn]) <= TURN_COMMANDS
+    singles = [CreateJob(i, spec) for i in range(TURN_COMMANDS + 5)]
+    assert turn_length(singles) == TURN_COMMANDS
+    assert turn_length(singles[:10]) == 10
+    mixed = [Pull("w", 1), *[chunk] * 3]
+    assert turn_length(mixed) == 1 + per_turn - 1  # the pull, then what fits
+    huge = CreateJobs(2, specs=(spec,) * (TURN_COMMANDS + 1))
+    assert turn_length([huge, chunk]) == 1  # at least one command, however large

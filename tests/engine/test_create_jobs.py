@@ -111,3 +111,42 @@ def test_a_refused_spec_leaves_the_others_of_its_batch_alone() -> None:
     assert b["id"] == "b" and b["version"] == 1
     reply = node.do(CreateJobs(node.request(), ()))
     assert reply is not None and reply.result == {"results": []}
+
+
+def test_refused_specs_leave_no_reference_cycle_behind() -> None:
+    """A refusal kept in a reply or a result list carries no traceback: one would hold the
+    frames it passed through, and they the command's specs (payloads and all), in a cycle
+    only the collector frees. With the collector off, the specs must die with their replies."""
+    import gc
+    import weakref
+
+    node = Node()
+
+    def specs() -> tuple[JobSpec, ...]:
+        raw = [
+            {"id": f"j{i}", "schedule": {"every": "1h"}, "task": {"payload": i}} for i in range(8)
+        ]
+        return tuple(validate_job(r, now_ms=T0) for r in raw)
+
+    node.do(CreateJobs(node.request(), specs()))  # created: the retries below are all refused
+    node.replies.clear()
+    gc.collect()
+    gc.disable()
+    try:
+        for make in (
+            lambda ss: [CreateJobs(node.request(), ss)],
+            lambda ss: [CreateJob(node.request(), s) for s in ss],
+        ):
+            again = specs()
+            refs = [weakref.ref(s) for s in again]
+            for command in make(again):
+                node.do(command)
+            assert node.replies and all(
+                isinstance(r.error, JobExists) or r.result is not None
+                for r in node.replies.values()
+            )
+            node.replies.clear()
+            del again, command
+            assert [r() for r in refs] == [None] * len(refs)
+    finally:
+        gc.enable()

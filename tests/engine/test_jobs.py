@@ -1023,3 +1023,31 @@ def test_schedules_shared_by_raw_text_keep_what_depends_on_the_job() -> None:
     for _ in range(2):  # a refusal comes back every time (errors are not kept)
         with pytest.raises(ScheduleError):
             validate_job(spec(schedule={"at": "2026-13-01T00:00:00Z"}), now_ms=NOW)
+
+
+def test_a_mapping_that_is_not_a_dict_gets_the_same_typed_errors() -> None:
+    """The fast check of a spec's keys is for dicts only: another Mapping's keys() need not be
+    a set (here a list), and its unknown key is still a JobSpecError naming it."""
+    from collections.abc import Iterator, Mapping
+
+    class ListKeys(Mapping[str, object]):
+        def __init__(self, data: dict[str, object]) -> None:
+            self._data = data
+
+        def __getitem__(self, key: str) -> object:
+            return self._data[key]
+
+        def __iter__(self) -> Iterator[str]:
+            return iter(self._data)
+
+        def __len__(self) -> int:
+            return len(self._data)
+
+        def keys(self) -> list[str]:  # type: ignore[override]
+            return list(self._data)
+
+    base = {"id": "m", "schedule": {"at": "2031-01-01T00:00:00Z"}, "task": {"payload": 1}}
+    with pytest.raises(JobSpecError) as caught:
+        validate_job(ListKeys({**base, "bogus": 1}), now_ms=0)
+    assert caught.value.field == "bogus"
+    assert validate_job(ListKeys(base), now_ms=0) == validate_job(base, now_ms=0)
