@@ -357,7 +357,12 @@ class Client:
             self._waiting.pop(request_id, None)
         outcome = _outcome(box[0])
         if isinstance(outcome, ClientError):
-            raise outcome
+            try:
+                raise outcome
+            finally:
+                # The traceback holds this frame: without this, the frame would hold the
+                # error back (a cycle only the collector frees, with the request's args in it).
+                del outcome
         return outcome
 
     # ------------------------------------------------------------------ jobs

@@ -357,3 +357,39 @@ def test_a_turn_holds_at_most_turn_commands_creates_however_they_came() -> None:
     assert turn_length(mixed) == 1 + per_turn - 1  # the pull, then what fits
     huge = CreateJobs(2, specs=(spec,) * (TURN_COMMANDS + 1))
     assert turn_length([huge, chunk]) == 1  # at least one command, however large
+
+
+_OUR_CODE = ("cluster/node.py", "cluster/client.py", "engine/")
+
+
+def test_refused_requests_leave_no_reference_cycles_on_either_side(tmp_path: Path) -> None:
+    """A refused create (a retry answered ``exists``) must not leave garbage that only the
+    cyclic collector frees: on the node its traceback held the frames holding the command's
+    spec; on the client the raising frame held the error. Each such cycle pins the request's
+    spec and payload until a collection."""
+    import gc
+    import types
+
+    async def body(client: Client, port: int) -> None:
+        spec = {"id": "again", "schedule": soon(3600), "task": {"payload": "x" * 1000}}
+        await client.create(spec)
+        gc.collect()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            for _ in range(20):
+                with pytest.raises(RemoteError):
+                    await client.create(spec)
+            await trio.sleep(0.05)
+            gc.collect()
+            ours = {
+                frame.f_code.co_name
+                for frame in gc.garbage
+                if isinstance(frame, types.FrameType)
+                and any(part in frame.f_code.co_filename for part in _OUR_CODE)
+            }
+            assert ours == set(), ours
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+
+    run_with_node(tmp_path, body)
