@@ -37,7 +37,18 @@ from typing import Any, Final
 import trio
 
 from cluster.codec import DEFAULT_MAX_FRAME, FrameDecoder, Message, ProtocolError, encode
-from cluster.protocol import MAX_BATCH, MAX_LIMIT, BadArgs, Request, error, ok, parse_request, push
+from cluster.protocol import (
+    MAX_BATCH,
+    MAX_LIMIT,
+    REPORT_ARGS,
+    BadArgs,
+    Request,
+    check_report,
+    error,
+    ok,
+    parse_request,
+    push,
+)
 from cluster.rawio import Outbox, RawSocketIO
 from engine.effects import (
     CancelJob,
@@ -674,8 +685,7 @@ class Connection:
             self._release()
 
 
-_REPORT_REQUIRED: Final = frozenset({"run_id", "token", "outcome"})
-_REPORT_FIELDS: Final = _REPORT_REQUIRED | {"exit_code"}
+_REPORT_FIELDS: Final = frozenset(REPORT_ARGS)
 
 
 def _finished_report(worker_id: str, index: int, report: object) -> ReportFinished:
@@ -695,29 +705,9 @@ def _finished_report(worker_id: str, index: int, report: object) -> ReportFinish
     where = f"reports[{index}]"
     if not isinstance(report, dict):
         raise BadArgs(f"{where}: must be a map", None, where)
-    unknown = sorted(report.keys() - _REPORT_FIELDS, key=repr)  # (str and bytes keys)
-    missing = sorted(_REPORT_REQUIRED - report.keys())
-    if unknown or missing:
-        name = (unknown or missing)[0]
-        what = "unknown" if unknown else "missing"
-        raise BadArgs(f"{where}.{name}: {what} field", None, f"{where}.{name}")
-    run_id, token = report.get("run_id"), report.get("token")
-    outcome, exit_code = report.get("outcome"), report.get("exit_code")
-    for name, value, fits in (
-        ("run_id", run_id, isinstance(run_id, str)),
-        ("token", token, isinstance(token, int) and not isinstance(token, bool)),
-        ("outcome", outcome, isinstance(outcome, str)),
-        (
-            "exit_code",
-            exit_code,
-            exit_code is None or (isinstance(exit_code, int) and not isinstance(exit_code, bool)),
-        ),
-    ):
-        if not fits:
-            raise BadArgs(
-                f"{where}.{name}: wrong type {type(value).__name__}", None, f"{where}.{name}"
-            )
-    assert isinstance(run_id, str) and isinstance(token, int) and isinstance(outcome, str)
+    check_report(report, where)
+    run_id, token = report["run_id"], report["token"]
+    outcome, exit_code = report["outcome"], report.get("exit_code")
     return ReportFinished(worker_id, run_id, token, outcome, exit_code)
 
 
@@ -1319,14 +1309,11 @@ class Node:
         commands = [_finished_report(session.worker_id, i, r) for i, r in enumerate(reports)]
         shards = []
         for i, command in enumerate(commands):
-            shard = self.run_shards.get(command.run_id)
-            if shard is None:
-                try:
-                    shard = shard_of_run(command.run_id, self.shards)
-                except EngineError as exc:
-                    field = f"reports[{i}].run_id"
-                    raise BadArgs(f"{field}: {exc}", None, field) from None
-            shards.append(shard)
+            try:
+                shards.append(self._run_shard(command.run_id))
+            except EngineError as exc:
+                field = f"reports[{i}].run_id"
+                raise BadArgs(f"{field}: {exc}", None, field) from None
         # Checked whole: now each report goes to its shard, as its own worker.finished would
         # (in order; each shard's share handed over at once).
         by_shard: list[list[Command]] = [[] for _ in self.hosts]
@@ -1344,10 +1331,16 @@ class Node:
         """The shard of a run a worker reports on: known from its dispatch (no parse of the
         run id and hash of the job id per report), else computed (a run dispatched before a
         restart, or a malformed id, which the engine then refuses)."""
-        shard = self.run_shards.pop(rid, None) if final else self.run_shards.get(rid)
-        if shard is None:
-            shard = shard_of_run(rid, self.shards)
+        shard = self._run_shard(rid)
+        if final:
+            self.run_shards.pop(rid, None)
         return self.hosts[shard]
+
+    def _run_shard(self, rid: str) -> int:
+        """The shard of run ``rid``: remembered from its dispatch, else computed (raises the
+        engine's error for a malformed id)."""
+        shard = self.run_shards.get(rid)
+        return shard_of_run(rid, self.shards) if shard is None else shard
 
     def _output(self, conn: Connection, args: dict[str, Any]) -> Any:
         stream = args["stream"]

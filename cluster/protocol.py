@@ -124,20 +124,7 @@ def parse_request(message: Message) -> Request:
     args = message.get("args", {})
     if not isinstance(args, dict):
         raise ProtocolError("bad_args", "'args' must be a map", request_id)
-    if not args.keys() <= _ARG_NAMES[op]:
-        for name in args:
-            if name not in spec:
-                raise _bad(request_id, name, f"unknown argument {str(name)[:64]!r} for {op}")
-    for name, (types, required) in spec.items():
-        if name not in args:
-            if required:
-                raise _bad(request_id, name, "is required")
-            continue
-        value = args[name]
-        if isinstance(value, bool) and bool not in types:
-            raise _bad(request_id, name, f"must be {_names(types)}, got a boolean")
-        if not isinstance(value, types):
-            raise _bad(request_id, name, f"must be {_names(types)}, got {type(value).__name__}")
+    _check_args(spec, _ARG_NAMES[op], args, request_id, op)
     for name in _BOUNDED[op]:
         top = MAX_PREVIEW if name == "count" else MAX_LIMIT
         if name in args and not 1 <= args[name] <= top:
@@ -145,6 +132,51 @@ def parse_request(message: Message) -> Request:
     if op == "job.create_many" and len(args["specs"]) > MAX_BATCH:
         raise _bad(request_id, "specs", f"at most {MAX_BATCH} specs per batch")
     return Request(request_id, op, args)
+
+
+#: The fields of one report of ``worker.finished_many``: ``worker.finished``'s, but credits.
+REPORT_ARGS: Final[ArgSpec] = {
+    name: kind for name, kind in OPS["worker.finished"].items() if name != "credits"
+}
+_REPORT_NAMES: Final = frozenset(REPORT_ARGS)
+
+
+def check_report(report: dict[str, Any], where: str) -> None:
+    """Check one report of ``worker.finished_many`` as ``worker.finished``'s args are checked;
+    :class:`BadArgs` naming ``where.field`` (``where``: ``reports[i]``) otherwise."""
+    _check_args(REPORT_ARGS, _REPORT_NAMES, report, None, "a report", f"{where}.")
+
+
+def _check_args(
+    spec: ArgSpec,
+    names: frozenset[str],
+    args: dict[Any, Any],
+    request_id: int | None,
+    what: str,
+    where: str = "",
+) -> None:
+    """Unknown, missing and mistyped arguments of ``args`` against ``spec`` (``names``: its
+    keys), as :class:`BadArgs` naming ``where`` + the argument."""
+    if not args.keys() <= names:
+        for name in args:
+            if name not in spec:
+                raise _bad(
+                    request_id, f"{where}{name}", f"unknown argument {str(name)[:64]!r} for {what}"
+                )
+    for name, (types, required) in spec.items():
+        if name not in args:
+            if required:
+                raise _bad(request_id, f"{where}{name}", "is required")
+            continue
+        value = args[name]
+        if isinstance(value, bool) and bool not in types:
+            raise _bad(request_id, f"{where}{name}", f"must be {_names(types)}, got a boolean")
+        if not isinstance(value, types):
+            raise _bad(
+                request_id,
+                f"{where}{name}",
+                f"must be {_names(types)}, got {type(value).__name__}",
+            )
 
 
 class BadArgs(ProtocolError):
@@ -155,7 +187,7 @@ class BadArgs(ProtocolError):
         self.field = field
 
 
-def _bad(request_id: int, field: str, message: str) -> BadArgs:
+def _bad(request_id: int | None, field: str, message: str) -> BadArgs:
     return BadArgs(f"{field}: {message}", request_id, str(field)[:64])
 
 

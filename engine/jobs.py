@@ -595,17 +595,11 @@ class Policy:
         the rendering is cached per distinct policy (formatting durations is most of a create's
         cost otherwise, and a shard has few distinct policies).
         """
-        last = _LAST_POLICY_DICT[0]
-        if last[0] is self:  # jobs created together mostly share one policy object
-            cached = last[1]
-        else:
-            found = _POLICY_DICTS.get(self)
-            if found is None:
-                if len(_POLICY_DICTS) >= _POLICY_DICT_CACHE:
-                    _POLICY_DICTS.clear()
-                found = _POLICY_DICTS[self] = self._render()
-            cached = found
-            _LAST_POLICY_DICT[0] = (self, cached)
+        cached = _POLICY_DICTS.get(self)
+        if cached is None:
+            if len(_POLICY_DICTS) >= _POLICY_DICT_CACHE:
+                _POLICY_DICTS.clear()
+            cached = _POLICY_DICTS[self] = self._render()
         out = dict(cached)
         out["retries"] = dict(cached["retries"])  # type: ignore[call-overload]
         return out
@@ -647,8 +641,6 @@ class Policy:
 #: Rendered policies (see :meth:`Policy.to_dict`), cleared when it reaches its bound.
 _POLICY_DICTS: dict[Policy, dict[str, object]] = {}
 _POLICY_DICT_CACHE: Final = 4096
-#: The policy rendered last and its rendering: found by identity, without hashing 14 fields.
-_LAST_POLICY_DICT: list[tuple[Policy | None, dict[str, object]]] = [(None, {})]
 #: The policy whose spec template (:meth:`Policy.spec_template`) was made last, and it.
 _LAST_TEMPLATE: list[tuple[Policy | None, dict[str, object]]] = [(None, {})]
 

@@ -221,6 +221,15 @@ class _Profile:
         )
 
 
+def _spec_missing(key: int, version: int, found: tuple[Any, ...] | None) -> EngineStateError:
+    """The error of a spec read (``found``: what the directory gave) that neither memory nor
+    the directory can answer at ``version``."""
+    return EngineStateError(
+        f"job key {key} version {version} is neither in memory nor in the directory "
+        f"(the directory has {None if found is None else found[0]})"
+    )
+
+
 def _bare(error: EngineError) -> EngineError:
     """``error`` without its traceback, to be kept in a reply or a result list: a refusal's
     traceback holds the frames it passed through, and they the command (a spec with its
@@ -817,10 +826,7 @@ class ShardEngine:
         found = self._directory.latest(key)
         if found is not None and found[0] == version:
             return found[1]
-        raise EngineStateError(
-            f"job key {key} version {version} is neither in memory nor in the directory "
-            f"(the directory has {None if found is None else found[0]})"
-        )
+        raise _spec_missing(key, version, found)
 
     def _ticket_fields(self, key: int, version: int) -> tuple[str, Any]:
         """The job id and task of job ``key`` at ``version`` (its latest, durable or not):
@@ -832,10 +838,7 @@ class ShardEngine:
         found = self._directory.ticket_fields(key)
         if found is not None and found[0] == version:
             return found[1], found[2]
-        raise EngineStateError(
-            f"job key {key} version {version} is neither in memory nor in the directory "
-            f"(the directory has {None if found is None else found[0]})"
-        )
+        raise _spec_missing(key, version, found)
 
     def _job_key(self, job_id: str) -> int:
         key = self._key_of(job_id)
@@ -1745,13 +1748,7 @@ class ShardEngine:
         run.worker = worker.worker_id
         worker.credits -= 1
         worker.runs.add(run.ref)
-        # The claim's record, made from the run, is not applied back (_emit): applying a
-        # live record only keeps the job's bookkeeping, and a claim changes none of it (the
-        # run's time stays active; a buffered run is never queued, so never claimed: see
-        # _queue_or_wait for the one path that used to queue it).
-        record = self._run_record(run)
-        record["e"] = self.epoch
-        self._records.append(record)
+        self._persist_run(run)
         self._arm_timeout(run)
         policy = run.policy
         if run.job_id is None:

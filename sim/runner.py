@@ -198,8 +198,7 @@ def _run_all(
     on_seed: Callable[[SeedResult], None] | None,
     results: Iterator[SeedResult],
 ) -> None:
-    for i, result in enumerate(results):
-        cfg = replace(config, seed=config.seed + i, samples=config.samples and i == 0)
+    for i, (cfg, result) in enumerate(zip(_configs(config, count), results, strict=True)):
         summary.seeds_run += 1
         summary.seed_seconds.append(result.elapsed_s)
         if i == 0:
