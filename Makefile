@@ -54,7 +54,7 @@ SIM_HOURS ?= 1
 sim: $(STAMP) bytecode
 	$(BIN)/tickwheel sim --seeds $(SIM_SEEDS) --jobs $(SIM_JOBS) --hours $(SIM_HOURS) \
 		--faults all --report sim-report
-	for m in claim-after-fire no-epoch-fence no-self-fence no-redispatch; do \
+	for m in claim-after-fire no-epoch-fence no-self-fence no-redispatch report-ack-before-durable; do \
 		$(BIN)/tickwheel sim --seeds 200 --jobs $(SIM_JOBS) --hours $(SIM_HOURS) \
 			--faults all --mutant $$m || exit 1; \
 	done

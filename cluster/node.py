@@ -73,6 +73,7 @@ from engine.effects import (
     ReportFinished,
     ReportStarted,
     ResumeJob,
+    Sync,
     Trigger,
     TriggerJob,
     UpdateJob,
@@ -626,6 +627,11 @@ class Connection:
             if request.op in _QUICK_OPS:
                 self._answer_now(request)
                 continue
+            if request.op in _REPORT_OPS:
+                # Answered by callback once the reports are durable: no task each.
+                await self._admit()
+                self._report_now(request)
+                continue
             if request.op == "job.create":
                 # The commonest request waits for its batch's fsync: a callback answers
                 # it, so that thousands in flight cost no task each.
@@ -665,6 +671,23 @@ class Connection:
         try:
             spec = self.node.job_spec(request.args["spec"])
             self.node.host_of(spec.id).request_then(lambda rid: CreateJob(rid, spec), answer)
+        except Exception as exc:
+            self._release()
+            self.send(_error_reply(request, exc))
+
+    def _report_now(self, request: Request) -> None:
+        """A worker's final reports: taken now, answered once they are durable (the worker
+        forgets a report it is told was taken)."""
+
+        def answer(failure: Exception | None) -> None:
+            self._release()
+            if failure is None:
+                self.send(ok(request.id, {}))
+            else:
+                self.send(_error_reply(request, failure))
+
+        try:
+            self.node.report_now(self, request, answer)
         except Exception as exc:
             self._release()
             self.send(_error_reply(request, exc))
@@ -1011,6 +1034,13 @@ class Node:
         self._check_worker(conn, req)
         return _QUICK_OPS[req.op](self, conn, req.args)
 
+    def report_now(
+        self, conn: Connection, req: Request, answer: Callable[[Exception | None], None]
+    ) -> None:
+        """Take a worker's final reports now; ``answer`` once they are durable."""
+        self._check_worker(conn, req)
+        _REPORT_OPS[req.op](self, conn, req.args, answer)
+
     @staticmethod
     def _check_worker(conn: Connection, req: Request) -> None:
         if req.op.startswith("worker.") and req.op != "worker.hello" and conn.worker is None:
@@ -1281,23 +1311,24 @@ class Node:
         self._host_of_run(rid).tell(ReportStarted(session.worker_id, rid, args["token"]))
         return {}
 
-    def _finished(self, conn: Connection, args: dict[str, Any]) -> Any:
+    def _finished(self, conn: Connection, args: dict[str, Any], answer: DurableAnswer) -> None:
         session = conn.worker
         assert session is not None
         rid = args["run_id"]
-        self._host_of_run(rid, final=True).tell(
+        host = self._host_of_run(rid, final=True)
+        host.tell(
             ReportFinished(
                 session.worker_id, rid, args["token"], args["outcome"], args.get("exit_code")
             )
         )
         if "credits" in args:  # the worker's free slots after this run: a pull in the report
             self._pull(conn, {"credits": args["credits"]})
-        return {}
+        self._when_durable([host], answer)
 
-    def _finished_many(self, conn: Connection, args: dict[str, Any]) -> Any:
+    def _finished_many(self, conn: Connection, args: dict[str, Any], answer: DurableAnswer) -> None:
         """``worker.finished`` for several runs: every report is checked before any is taken
         (a malformed one refuses the whole request, nothing half-applied), then each goes to
-        its shard as its own report would."""
+        its shard as its own report would; answered once every shard has them durable."""
         session = conn.worker
         assert session is not None
         reports = args["reports"]
@@ -1325,7 +1356,33 @@ class Node:
             host.tell_many(mine)
         if credits is not None:
             self._pull(conn, {"credits": credits})
-        return {}
+        self._when_durable(
+            [h for h, mine in zip(self.hosts, by_shard, strict=True) if mine], answer
+        )
+
+    @staticmethod
+    def _when_durable(hosts: list[ShardHost], answer: DurableAnswer) -> None:
+        """``answer(None)`` once what was told to ``hosts`` so far is durable (the engine
+        answers a :class:`Sync` only then), or ``answer(failure)`` with the first shard's
+        failure: the worker then keeps its reports and sends them again."""
+        left = len(hosts)
+        failure: Exception | None = None
+
+        def one(outcome: Reply | StoreError) -> None:
+            nonlocal left, failure
+            left -= 1
+            if failure is None:
+                if isinstance(outcome, StoreError):
+                    failure = outcome
+                elif outcome.error is not None:
+                    failure = outcome.error
+            if not left:
+                answer(failure)
+
+        if not hosts:
+            answer(None)
+        for host in hosts:
+            host.request_then(Sync, one)
 
     def _host_of_run(self, rid: str, *, final: bool = False) -> ShardHost:
         """The shard of a run a worker reports on: known from its dispatch (no parse of the
@@ -1361,9 +1418,16 @@ _QUICK_OPS: dict[str, Callable[[Node, Connection, dict[str, Any]], Any]] = {
     "worker.heartbeat": Node._heartbeat,
     "worker.pull": Node._pull,
     "worker.started": Node._started,
+    "worker.output": Node._output,
+}
+
+DurableAnswer = Callable[[Exception | None], None]
+
+# A worker's final reports: taken inline by the reader like the quick ops, but answered only
+# once durable (:meth:`Node._when_durable`).
+_REPORT_OPS: dict[str, Callable[[Node, Connection, dict[str, Any], DurableAnswer], None]] = {
     "worker.finished": Node._finished,
     "worker.finished_many": Node._finished_many,
-    "worker.output": Node._output,
 }
 
 _OPS: dict[str, Callable[[Node, Connection, dict[str, Any]], Any]] = {

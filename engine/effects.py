@@ -141,6 +141,16 @@ class Durable:
     batch_id: int
 
 
+@dataclass(frozen=True)
+class Sync:
+    """Answered by an empty :class:`Reply` once everything the engine decided before it is
+    durable. How a driver acknowledges commands that carry no request id of their own (a
+    worker's final reports): a worker forgets a report once it is acknowledged, so an
+    acknowledgement the next crash could undo would turn a known outcome into a lost one."""
+
+    request_id: int
+
+
 Command = (
     CreateJob
     | CreateJobs
@@ -157,6 +167,7 @@ Command = (
     | Pull
     | ReportStarted
     | ReportFinished
+    | Sync
     | Durable
 )
 

@@ -71,6 +71,7 @@ from engine.effects import (
     ReportStarted,
     ResumeJob,
     RunTicket,
+    Sync,
     Trigger,
     TriggerJob,
     UpdateJob,
@@ -120,7 +121,7 @@ _GONE = 2  # cancelled; the key stays, so that the id can be created again as a 
 _LATE_PAUSED = 4  # fires missed so far were missed while paused (set by resume)
 
 #: The engine's guards that :attr:`EngineConfig.mutants` may switch off.
-ENGINE_MUTANTS = frozenset({"claim-after-fire", "no-redispatch"})
+ENGINE_MUTANTS = frozenset({"claim-after-fire", "no-redispatch", "report-ack-before-durable"})
 
 
 @dataclass(frozen=True)
@@ -1846,6 +1847,14 @@ class ShardEngine:
         else:  # killed on the node's request without a cancel recorded: a failure
             self._finalize(run, RunEvent.FAIL, why="killed")
 
+    def _sync(self, cmd: Sync) -> None:
+        if "report-ack-before-durable" in self.config.mutants:
+            self._out.append(Reply(cmd.request_id, result={}))  # the guard switched off
+            return
+        # Behind every batch still in flight: a report this answers (or one it repeats, which
+        # made no record of its own) may sit in any of them.
+        self._reply_after_durable(cmd.request_id, {})
+
     def _timed_out(self, run: _Run, *, confirmed: bool) -> None:
         policy = run.policy
         handler = policy.on_timeout
@@ -2069,4 +2078,5 @@ _HANDLERS: dict[type[Any], Any] = {
     Pull: ShardEngine._pull,
     ReportStarted: ShardEngine._started,
     ReportFinished: ShardEngine._finished,
+    Sync: ShardEngine._sync,
 }

@@ -10,7 +10,10 @@
 6. no write or dispatch of a node accepted after that node's lease expired in the
    coordinator's view: a node never decides one after the coordinator let its lease lapse,
    and no store or worker takes one stamped with an epoch older than one it has already
-   been opened or contacted under (the zombie's late delivery is what the fence is for).
+   been opened or contacted under (the zombie's late delivery is what the fence is for);
+7. every final report a worker was told was taken is in the shard's durable log (the worker
+   forgets it then: a crash that lost it would turn a known outcome into LOST, or run an
+   at-least-once run that succeeded again).
 
 Owns the :class:`Observer` (drivers report what happened as it happens: actions, executions,
 acknowledgements) and :func:`final_checks` (the durable logs at the end). Must never change
@@ -76,6 +79,7 @@ class Observer:
         self.lateness: list[tuple[int, int]] = []  # (start, ms late) of first executions
         self.early = 0
         self.acks: dict[str, int] = {}  # job id -> highest acknowledged version
+        self.reports: list[tuple[int, str, int, int]] = []  # (shard, run id, token, when) acked
         self.faults: list[tuple[int, int, str, str]] = []  # (start, end, kind, target)
         self._actor: dict[tuple[int, int], tuple[str, int]] = {}
         self._late_actors: set[tuple[str, int, int, int]] = set()
@@ -165,6 +169,12 @@ class Observer:
         if version > self.acks.get(job_id, 0):
             self.acks[job_id] = version
 
+    # ---------------------------------------------------------------- reports (check 7)
+
+    def report_acked(self, shard: int, run_id: str, token: int) -> None:
+        """A worker was told its final report of ``run_id`` (``token``) was taken."""
+        self.reports.append((shard, run_id, token, self.w.kernel.now))
+
     def _violate(self, check: str, message: str, *focus: str) -> None:
         self.violations.append(Violation(check, message, tuple(focus)))
 
@@ -173,6 +183,7 @@ class Observer:
 
 
 _SKIP_REASONS = frozenset({"catchup", "paused", "overlap", "updated", "cancelled"})
+_REPORTED = frozenset({"SUCCESS", "FAILED", "TIMED_OUT"})
 
 
 @dataclass(slots=True)
@@ -222,6 +233,11 @@ def _check_log(world: World, shard: int, out: list[Violation], totals: Totals) -
     keys: dict[int, _Key] = {}
     versions: dict[str, int] = {}  # job id -> highest durable version
     last_run: dict[tuple[int, int], tuple[dict[str, Any], int]] = {}  # (key, at) -> (rec, time)
+    # (key, at, token) of every durable trace a final report leaves: the outcome it reports
+    # under its token (final, or PENDING for the retry it asked for), or a note (a report of
+    # a superseded attempt, or of a run already final). Not LOST: that is what a lost report
+    # turns into.
+    reported: set[tuple[int, int, int]] = set()
     cache: dict[str, Schedule] = {}
     newest_epoch = 0
     interleaved = False
@@ -265,11 +281,15 @@ def _check_log(world: World, shard: int, out: list[Violation], totals: Totals) -
                     if ref not in last_run:
                         totals.runs += 1
                     last_run[ref] = (r, batch.durable_at)
+                    if r["state"] in _REPORTED or "; retry" in (r.get("why") or ""):
+                        reported.add((r["key"], r["at"], r["tok"]))
                     k = keys.get(r["key"])
                     if k is not None:
                         if k.runs is None:
                             k.runs = set()
                         k.runs.add(r["at"])
+                elif kind == "note":
+                    reported.add((r["key"], r["at"], r["tok"]))
                 elif kind == "pos":
                     k = keys[r["key"]]
                     if k.created is None:
@@ -324,6 +344,24 @@ def _check_log(world: World, shard: int, out: list[Violation], totals: Totals) -
                     (job_id,),
                 )
             )
+
+    # Check 7: what workers were told of their final reports is durable.
+    key_of = {k.job_id: key for key, k in keys.items()}
+    for acked_shard, rid, token, when in world.observer.reports:
+        if acked_shard != shard:
+            continue
+        job_id, _, at_text = rid.rpartition("@")
+        key = key_of.get(job_id)
+        if key is not None and (key, int(at_text), token) not in reported:
+            out.append(
+                Violation(
+                    "acknowledged-report",
+                    f"shard {shard}: the final report of {rid} (token {token}) was "
+                    f"acknowledged at {when} ms; the log has no trace of it",
+                    (rid,),
+                )
+            )
+            break  # one per shard is enough
 
     # Check 1, second half: a run is final, or really in progress at the end.
     running = {(e.run_id, e.token) for e in world.observer.executions if e.end is None}

@@ -14,4 +14,10 @@ FAULTS: tuple[str, ...] = (
     "slow-disk",
 )
 #: Guards that can be switched off, each in the module that owns the guard.
-MUTANTS: tuple[str, ...] = ("claim-after-fire", "no-epoch-fence", "no-self-fence", "no-redispatch")
+MUTANTS: tuple[str, ...] = (
+    "claim-after-fire",
+    "no-epoch-fence",
+    "no-self-fence",
+    "no-redispatch",
+    "report-ack-before-durable",
+)

@@ -43,6 +43,7 @@ from engine.effects import (
     Reply,
     ReportFinished,
     ResumeJob,
+    Sync,
     Trigger,
     TriggerJob,
     UpdateJob,
@@ -169,8 +170,9 @@ class SimNode:
         self.k.later(downtime_ms, self.start)
 
     def arm_crash(self, downtime_ms: int) -> None:
-        """Crash right after the next step that both writes and dispatches (runs on their
-        way while their claims are not durable yet: the crash windows of DESIGN.md's table),
+        """Crash right after the next step that both writes and dispatches or answers (runs
+        on their way while their claims are not durable yet, the crash windows of DESIGN.md's
+        table; or a client or worker told of something while the step's batch is in flight),
         or in 5 s."""
         if self.alive:
             self._crash_down = downtime_ms
@@ -419,7 +421,10 @@ class SimNode:
     ) -> None:
         """A packet from a worker: per shard, its commands in order and a sequence number.
         Answered with one packet: per shard, an acknowledgement (the epoch; ``seq`` when a
-        hello or heartbeat was taken, 0 otherwise; the final reports taken), or "not owner"."""
+        hello or heartbeat was taken, 0 otherwise), or "not owner". The final reports of a
+        part are acknowledged apart, once the engine answers the :class:`Sync` that follows
+        them, that is once they are durable: the worker forgets a report it is told was
+        taken, so that answer must survive the next crash (as the real node's)."""
         self._worker_inc[worker.name] = worker_incarnation
         answers: list[tuple[int, int, int, tuple[tuple[str, int], ...]]] = []
         moved = False
@@ -429,6 +434,11 @@ class SimNode:
             if engine is None or hs is None:
                 answers.append((shard, -1, 0, ()))
                 continue
+            reported = tuple((c.run_id, c.token) for c in commands if type(c) is ReportFinished)
+            if reported:
+                self._rid += 1
+                hs.requests[self._rid] = ("worker", worker, worker_incarnation, reported)
+                commands = (*commands, Sync(self._rid))
             # One engine call and one batch for the part, as the real node groups what
             # arrives together (``handle_many``).
             effects = self._drive(hs, engine, commands)
@@ -437,9 +447,8 @@ class SimNode:
             )
             greeted = any(type(c) in (WorkerHello, Heartbeat) for c in commands)
             taken = seq if greeted and not refused else 0
-            reported = tuple((c.run_id, c.token) for c in commands if type(c) is ReportFinished)
-            if taken or reported:
-                answers.append((shard, hs.epoch, taken, reported))
+            if taken:
+                answers.append((shard, hs.epoch, taken, ()))
             moved |= self._refresh(hs, engine=bool(effects))
         if answers:
             self.w.net.send(
@@ -529,7 +538,7 @@ class SimNode:
 
     def _deliver(self, hs: _Hosted, effects: list[Effect], decided_at: int) -> None:
         w, obs = self.w, self.w.observer
-        wrote = dispatched = False
+        wrote = dispatched = answered = False
         for e in effects:
             kind = type(e)
             if kind is Persist:
@@ -548,6 +557,7 @@ class SimNode:
                 self._to_worker(e.worker_id, "on_kill", e.run_id, e.token)
             elif kind is Reply:
                 assert isinstance(e, Reply)
+                answered = True
                 self._reply(hs, e)
             elif kind is Refused:
                 assert isinstance(e, Refused)
@@ -559,8 +569,8 @@ class SimNode:
             elif kind is ClockJump:
                 assert isinstance(e, ClockJump)
                 self.k.trace("clock-jump", self.name, f"s{hs.shard}", e.wall_ms - e.engine_ms)
-        if wrote and dispatched and self._crash_down is not None:
-            self.crash(self._crash_down)  # with this step's writes and dispatches in flight
+        if wrote and (dispatched or answered) and self._crash_down is not None:
+            self.crash(self._crash_down)  # with this step's writes in flight, and what it sent
 
     def _to_worker(self, worker_id: str, handler: str, *args: Any) -> None:
         """Send ``worker.<handler>(*args)`` on the worker's connection (its incarnation the
@@ -589,6 +599,17 @@ class SimNode:
         if route[0] == "client":
             _kind, client, creq = route
             self.w.net.send(self.name, "client", client.on_reply, creq, reply.result, code)
+        elif route[0] == "worker":  # a part's final reports, durable now (see on_worker)
+            _kind, worker, incarnation, reported = route
+            self.w.net.send(
+                self.name,
+                worker.name,
+                worker.receive,
+                incarnation,
+                worker.on_answers,
+                ((hs.shard, hs.epoch, 0, reported),),
+                on_reset=self._reset_of(worker, incarnation),
+            )
         else:
             _kind, source, src_inc, src_shard, src_epoch, seq = route
             self.w.net.send(

@@ -267,7 +267,8 @@ class SimWorker:
         self, shard: int, epoch: int, seq: int, reported: tuple[tuple[str, int], ...]
     ) -> None:
         for key in reported:
-            self.unreported.pop(key, None)
+            if self.unreported.pop(key, None) is not None:
+                self.w.observer.report_acked(shard, key[0], key[1])
         session = self.sessions[shard]
         sent = session.sent.pop(seq, None) if seq else None
         self.newest_epoch[shard] = max(self.newest_epoch[shard], epoch)

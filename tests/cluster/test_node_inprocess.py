@@ -393,3 +393,53 @@ def test_refused_requests_leave_no_reference_cycles_on_either_side(tmp_path: Pat
             gc.garbage.clear()
 
     run_with_node(tmp_path, body)
+
+
+def test_a_final_report_is_answered_only_once_it_is_durable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker forgets a report it is told was taken: answered before its record is
+    durable, a crash in between would turn a known outcome into LOST (DESIGN's table)."""
+    import threading
+
+    from wal.store import ShardStore
+
+    gate = threading.Event()
+    held: list[bool] = []
+    write_prepared = ShardStore.write_prepared
+
+    def slow_success_write(self: ShardStore, prepared: Any) -> list[int]:
+        if any(b"\xa7SUCCESS" in p.log_value for p in prepared):
+            held.append(True)
+            gate.wait(20)  # the committer thread: a disk that takes its time
+        return write_prepared(self, prepared)
+
+    monkeypatch.setattr(ShardStore, "write_prepared", slow_success_write)
+    acked: list[tuple[str, bool]] = []
+
+    class Agent(WorkerAgent):
+        def acknowledged(self, rid: str) -> None:
+            acked.append((rid, gate.is_set()))
+
+    async def handler(ticket: RunTicket, out: Callable[[str, bytes], Awaitable[None]]) -> int:
+        return 0
+
+    async def body(client: Client, port: int) -> None:
+        agent = Agent("127.0.0.1", port, worker_id="w-durable", payload_handler=handler)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(agent.run)
+            await client.create({"id": "dur-1", "schedule": soon(0.2), "task": {"payload": {}}})
+            while not held:
+                await trio.sleep(0.02)
+            await trio.sleep(0.5)
+            assert acked == []  # its SUCCESS record is still being written
+            gate.set()
+            while not acked:
+                await trio.sleep(0.02)
+            ((rid, released),) = acked
+            assert rid.startswith("dur-1@") and released
+            (run,) = await client.history("dur-1")
+            assert run["state"] == "SUCCESS"
+            nursery.cancel_scope.cancel()
+
+    run_with_node(tmp_path, body)

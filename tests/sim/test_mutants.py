@@ -17,6 +17,7 @@ EXPECTED = {
     "no-epoch-fence": {"stale-write-accepted", "interleaved-epochs", "stale-dispatch-accepted"},
     "no-self-fence": {"acted-after-lease"},
     "no-redispatch": {"stuck-run"},
+    "report-ack-before-durable": {"acknowledged-report"},
 }
 
 
