@@ -14,9 +14,14 @@ bumps the epoch at each start (DESIGN.md, "Cluster"): records, claims and dispat
 older incarnation are fenced.
 
 Failure modes: a store failure (disk full, read-only, corrupt) stops that shard: its commands
-are answered with the store's typed error, nothing is acknowledged that is not durable. A bad
+are answered with the store's typed error, nothing is acknowledged that is not durable. An
+unexpected exception (a bug) in a shard's turn, inline or in its loop, or in any of its
+background tasks (retention, snapshots, trigger delivery) stops that shard the same way
+(``shard_failed``); a stopped shard decides, dispatches and acknowledges nothing more. Only
+cancellation leaves the node's nursery: the node and the other shards carry on. A bad
 connection (malformed frames, wrong types, oversized payloads) gets typed errors and never
-harms the others.
+harms the others; a connection that does not read its replies is held back (the node stops
+reading it above ``OUTBOX_HIGH_WATER`` bytes queued) and closed above ``OUTBOX_HARD_CAP``.
 """
 
 from __future__ import annotations
