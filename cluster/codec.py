@@ -6,8 +6,8 @@ out whole messages (or a typed :class:`ProtocolError` for one bad frame); :func:
 message into bytes. Like h11, it never touches a socket, a clock or a task: the Trio streams
 that feed it live in :mod:`cluster.node` and :mod:`cluster.client`.
 
-Must never let one bad frame poison the stream: a frame whose body is not a msgpack map, or
-whose declared length passes the limit, yields an error for that frame and the decoder moves
+Must never let one bad frame poison the stream: a frame whose body is not a msgpack map, holds
+a list or map longer than any message needs, or whose declared length passes the limit, yields an error for that frame and the decoder moves
 on to the next one (an oversized body is skipped as it arrives, never buffered).
 """
 
@@ -23,6 +23,16 @@ import msgpack
 #: Frames larger than this are refused (their bytes skipped). Job specs are capped at 256 KiB of
 #: task; a batch of specs must fit too.
 DEFAULT_MAX_FRAME: Final = 8 * 1024 * 1024
+#: Most elements of one msgpack array (and, halved, entries of one map) in a frame: the largest
+#: container a valid message needs is inside a job's task, at most 256 KiB encoded
+#: (``engine.jobs.MAX_TASK_BYTES``: an element takes at least a byte, a map entry two); the
+#: protocol's own lists are shorter (10,000: ``MAX_BATCH`` specs or reports, ``MAX_LIMIT``
+#: pages). A frame holding a longer one is refused before it is built (``container_too_large``).
+#: Strings and bins are bounded by the frame alone (a string over a job's limits must get the
+#: job's own error, naming its field). This bounds each container, not their number: see
+#: docs/protocol.md, "Limits", for what decoding one frame may still allocate.
+MAX_ARRAY_LEN: Final = 256 * 1024
+MAX_MAP_LEN: Final = MAX_ARRAY_LEN // 2
 _HEADER: Final = struct.Struct(">I")
 
 Message = dict[str, Any]
@@ -120,8 +130,19 @@ class FrameDecoder:
 
 def _decode(body: bytes) -> Message | ProtocolError:
     try:
-        message = msgpack.unpackb(body, raw=False, strict_map_key=True)
+        message = msgpack.unpackb(
+            body,
+            raw=False,
+            strict_map_key=True,
+            max_array_len=MAX_ARRAY_LEN,
+            max_map_len=MAX_MAP_LEN,
+        )
     except Exception as error:  # msgpack raises several unrelated types for bad input
+        if isinstance(error, ValueError) and "exceeds max_" in str(error):
+            # msgpack's own limit check ("N exceeds max_array_len(M)"), before it allocates
+            return ProtocolError(
+                "container_too_large", f"frame holds a list or map over the limit: {error}"
+            )
         return ProtocolError("malformed", f"frame is not valid msgpack: {error}")
     if not isinstance(message, dict):
         return ProtocolError("malformed", f"a message is a map, got {type(message).__name__}")

@@ -14,9 +14,14 @@ bumps the epoch at each start (DESIGN.md, "Cluster"): records, claims and dispat
 older incarnation are fenced.
 
 Failure modes: a store failure (disk full, read-only, corrupt) stops that shard: its commands
-are answered with the store's typed error, nothing is acknowledged that is not durable. A bad
+are answered with the store's typed error, nothing is acknowledged that is not durable. An
+unexpected exception (a bug) in a shard's turn, inline or in its loop, or in any of its
+background tasks (retention, snapshots, trigger delivery) stops that shard the same way
+(``shard_failed``); a stopped shard decides, dispatches and acknowledges nothing more. Only
+cancellation leaves the node's nursery: the node and the other shards carry on. A bad
 connection (malformed frames, wrong types, oversized payloads) gets typed errors and never
-harms the others.
+harms the others; a connection that does not read its replies is held back (the node stops
+reading it above ``OUTBOX_HIGH_WATER`` bytes queued) and closed above ``OUTBOX_HARD_CAP``.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import math
 import os
 import signal
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -95,8 +100,17 @@ CLUSTER_FILE = "cluster.json"
 DEFAULT_SHARDS = 2
 #: requests one connection may have in flight before the node stops reading from it
 MAX_IN_FLIGHT = 1024
-#: replies and pushes waiting for a slow reader before its connection is closed
-MAX_QUEUED_REPLIES = 65_536
+#: bytes of replies and pushes queued for one connection above which the node reads no more of
+#: its requests (and starts no more of its queries) until the peer has read enough of them:
+#: TCP back-pressure on a peer that sends without reading
+OUTBOX_HIGH_WATER = 4 * 1024 * 1024
+#: bytes queued for one connection above which it is closed (a logged reason): reached only by
+#: replies already being made when the high-water mark was passed (a single reply is at most
+#: a frame, 8 MiB by default) or by pushes to a worker that stopped reading
+OUTBOX_HARD_CAP = 64 * 1024 * 1024
+#: seconds a connection whose peer stopped sending (EOF, a half-close) is kept open for the
+#: replies to the requests it sent before; then it is closed whatever is still unanswered
+HALF_CLOSE_GRACE_S = 10.0
 #: requests validated between two yields to the rest of the node
 YIELD_EVERY = 64
 #: specs of a job.create_many validated between two yields, and sent to their shards as one
@@ -116,6 +130,14 @@ NODE_GC_THRESHOLDS: Final = (10_000, 20, 100)
 
 class NodeError(Exception):
     """The node cannot start or go on (a data directory of another shape, a store failure)."""
+
+
+class ShardFailed(StoreError):
+    """The shard stopped on an unexpected exception (a bug) while it worked: like a store
+    failure, every later command on it gets this error until the node restarts; the node and
+    its other shards carry on."""
+
+    code = "shard_failed"
 
 
 def wall_ms() -> int:
@@ -194,7 +216,13 @@ class _Slot:
         if self.callback is not None:
             outcome = failure if failure is not None else reply
             assert outcome is not None
-            self.callback(outcome)
+            try:
+                self.callback(outcome)
+            except Exception:
+                # The callback is a connection's (a bug there): that request is left
+                # unanswered, but the shard's own effects after this reply still go out, so
+                # the shard does not stop for it.
+                log.exception("a reply callback failed")
         else:
             assert self.event is not None
             self.event.set()
@@ -222,6 +250,7 @@ class ShardHost:
     slots: dict[int, _Slot] = field(default_factory=dict)
     next_request: int = 0
     failed: StoreError | None = None
+    stopping: bool = False  # the node stops: no more turns (see Node._close)
     initial: list[Effect] = field(default_factory=list)  # the effects of opening the shard
     since_snapshot: int = 0
     snapshot_pending: bool = False
@@ -299,10 +328,14 @@ class ShardHost:
     # ------------------------------------------------------------------ the loop
 
     async def loop(self) -> None:
+        """Turn while the shard works: returns once it failed (or the node stops)."""
         engine = self.engine
-        self.route(self.initial)
+        try:
+            self.route(self.initial)
+        except Exception as exc:
+            self.fail_on_bug(exc, "routing the effects of recovery")
         self.initial = []
-        while True:
+        while self.failed is None and not self.stopping:
             if self.pending or self.credits_changed:
                 await trio.lowlevel.checkpoint()  # between two busy turns, the others run
             else:
@@ -322,7 +355,16 @@ class ShardHost:
                 self.turn()
 
     def turn(self) -> None:
-        """One engine call for everything pending (or a tick when nothing is), one batch."""
+        """One engine call for everything pending (or a tick when nothing is), one batch.
+
+        Never raises: an exception out of the engine or out of routing its effects (a bug: a
+        command's own errors are replies) stops the shard (:meth:`fail_on_bug`), since some of
+        that call's effects (its records among them) are lost and the engine no longer
+        matches what is durable. A failed or stopping shard does nothing (no decision, no
+        dispatch)."""
+        if self.failed is not None or self.stopping:
+            self.pending, self.credits_changed = [], {}
+            return
         engine = self.engine
         pending = self.pending
         taken = turn_length(pending)
@@ -351,14 +393,16 @@ class ShardHost:
                 self.route(engine.tick(wall_ms(), mono))
             # One engine call, one batch for everything that arrived meanwhile.
             self.route(engine.handle_many(batch, wall_ms(), mono_ms()))
-        except EngineError:
-            # A bug, not bad input (commands' errors are replies): keep serving the shard's
-            # other work rather than take the node down.
-            log.exception("shard %d: engine error", self.index)
+        except Exception as exc:
+            self.fail_on_bug(exc, "in a turn")
         finally:
             # After every turn, the loop's own or an inline one (turn_now): most turns of a
             # node serving lone requests and worker reports are inline.
-            if self.since_snapshot >= SNAPSHOT_EVERY_RECORDS and not self.snapshot_pending:
+            if (
+                self.since_snapshot >= SNAPSHOT_EVERY_RECORDS
+                and not self.snapshot_pending
+                and self.failed is None
+            ):
                 try:
                     self._start_snapshot()
                 except RuntimeError:  # the node is stopping: its clean stop stores one
@@ -370,6 +414,8 @@ class ShardHost:
         for effect in effects:
             if isinstance(effect, Persist):
                 self._persist(effect)
+                if self.failed is not None:
+                    return  # the shard stopped: nothing it decided goes out any more
             elif isinstance(effect, Reply):
                 slot = self.slots.pop(effect.request_id, None)
                 if slot is not None:
@@ -382,9 +428,9 @@ class ShardHost:
             elif isinstance(effect, Refused):
                 node.refused(effect)
             elif isinstance(effect, Trigger):
-                node.nursery.start_soon(self._deliver_trigger, effect)
+                self.start_task(self._deliver_trigger, effect)
             elif isinstance(effect, Register):
-                node.nursery.start_soon(self._deliver_register, effect)
+                self.start_task(self._deliver_register, effect)
             elif isinstance(effect, ClockJump):
                 log.warning(
                     "shard %d: wall clock %s jumped ahead; the engine keeps %s",
@@ -427,7 +473,9 @@ class ShardHost:
                 return
             assert ticket.seq is not None
             batch_seq[ticket.batch_id] = ticket.seq
-        if self.failed is not None:
+        if self.failed is not None or self.stopping:
+            # Stopping: the group is durable (its batch counts for the final snapshot), but
+            # the engine makes no decision now that could not be committed.
             return
         # The engine releases everything held up to this batch: one command for the group.
         self.pending.append(Durable(tickets[-1].batch_id))
@@ -445,7 +493,7 @@ class ShardHost:
         """If the loop sleeps, its turn runs at once (replies leave now, not after another
         pass of Trio's loop), and the loop wakes only if its deadline went stale meanwhile or
         more is pending. If it is awake or about to run, its next turn takes what is pending."""
-        if self.wakeup is None:
+        if self.wakeup is None or self.failed is not None or self.stopping:
             return
         self.turn()
         wake = self.engine.next_wakeup_mono()
@@ -453,13 +501,37 @@ class ShardHost:
             self.wake()
 
     def _fail(self, exc: StoreError) -> None:
-        """A store failure stops the shard: nothing more is acknowledged."""
+        """A store failure (or a bug, :meth:`fail_on_bug`) stops the shard: nothing more is
+        acknowledged, decided or dispatched; every command waiting gets ``exc``, and every
+        later one too (:meth:`request`). Its loop returns; the node and the other shards
+        carry on."""
         if self.failed is None:
             log.error("shard %d stops: %s", self.index, exc)
             self.failed = exc
-            for slot in self.slots.values():
+            self.pending, self.credits_changed = [], {}
+            slots, self.slots = self.slots, {}
+            for slot in slots.values():
                 slot.fill(None, exc)
-            self.slots.clear()
+            self.wake()  # its loop sees the failure and returns
+
+    def fail_on_bug(self, exc: Exception, where: str) -> None:
+        """An unexpected exception (a bug) met by this shard's work ``where``: logged with
+        its traceback, and the shard stops with :class:`ShardFailed`."""
+        log.error("shard %d: unexpected error %s", self.index, where, exc_info=exc)
+        self._fail(ShardFailed(f"shard {self.index} stopped on a bug: {type(exc).__name__}"))
+
+    def start_task(self, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
+        """Run ``fn(*args)`` in the node's nursery as this shard's background task: an
+        exception out of it (but cancellation) stops this shard, never the node."""
+        self.node.nursery.start_soon(self.guarded, fn, *args)
+
+    async def guarded(self, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
+        """``fn(*args)``; an exception out of it stops this shard (:meth:`fail_on_bug`)
+        instead of cancelling the node's nursery. Cancellation passes."""
+        try:
+            await fn(*args)
+        except Exception as exc:
+            self.fail_on_bug(exc, f"in {getattr(fn, '__name__', fn)}")
 
     # ------------------------------------------------------------------ snapshots
 
@@ -467,7 +539,7 @@ class ShardHost:
         snap = self.engine.export_snapshot()
         self.snapshot_pending = True
         self.since_snapshot = 0
-        self.node.nursery.start_soon(self._write_snapshot, snap)
+        self.start_task(self._write_snapshot, snap)
 
     async def _write_snapshot(self, snap: Any) -> None:
         batch = snap.meta["batch"]
@@ -486,9 +558,17 @@ class ShardHost:
             self.snapshot_pending = False
 
     async def final_snapshot(self) -> None:
-        """At a clean stop: a snapshot of everything, so the next start replays nothing."""
+        """At a clean stop, once the committer is closed (every batch handed to it written):
+        a snapshot of everything, so the next start replays nothing. Skipped for a failed
+        shard, and (logged) if the last batch is not known durable."""
         if self.failed is None and self.since_snapshot:
-            await self._write_snapshot(self.engine.export_snapshot())
+            snap = self.engine.export_snapshot()
+            if snap.meta["batch"] not in self.batch_seq:
+                log.warning(
+                    "shard %d: no final snapshot: its last batch is not durable", self.index
+                )
+                return
+            await self._write_snapshot(snap)
 
     # ------------------------------------------------------------------ outbox delivery
 
@@ -530,9 +610,11 @@ class Connection:
         self.stream = stream
         self.io = RawSocketIO(stream)  # the stream's bytes without its schedule points
         self.decoder = FrameDecoder(node.max_frame)
-        # Frames waiting for the writer task, bounded (MAX_QUEUED_REPLIES): a peer that sends
-        # without reading must not grow the node's memory.
-        self.outbox = Outbox(self.io)
+        # Frames waiting for the writer task, bounded in bytes: above OUTBOX_HIGH_WATER the
+        # node reads no more of this peer's requests, above OUTBOX_HARD_CAP it closes the
+        # connection. A peer that sends without reading must not grow the node's memory.
+        self.outbox = Outbox(self.io, OUTBOX_HIGH_WATER)
+        self.hard_cap = OUTBOX_HARD_CAP
         self.scope: trio.CancelScope | None = None
         self.limiter = trio.Semaphore(MAX_IN_FLIGHT)
         self.worker: WorkerSession | None = None
@@ -544,6 +626,10 @@ class Connection:
                 self.scope = nursery.cancel_scope
                 nursery.start_soon(self.outbox.run)
                 await self._reader(nursery)
+                # The peer sends no more (EOF: it closed, or half-closed its side): the requests
+                # it sent are still answered, for a bounded time, before the connection closes.
+                with trio.move_on_after(HALF_CLOSE_GRACE_S):
+                    await self._answered()
                 nursery.cancel_scope.cancel()
         except* (trio.BrokenResourceError, trio.ClosedResourceError):
             pass  # the peer went away or reset: this connection ends, nothing else
@@ -571,18 +657,37 @@ class Connection:
             log.error("cannot encode a reply: %s", exc)
             frame = encode(error(message.get("id"), "internal", "reply could not be encoded"))
         outbox = self.outbox
-        if len(outbox.frames) >= MAX_QUEUED_REPLIES:
-            log.warning("a peer left %d replies unread: closing it", MAX_QUEUED_REPLIES)
-            self.closed = True
-            if self.scope is not None:
-                self.scope.cancel()
+        queued = outbox.queued + len(frame)
+        if queued > self.hard_cap:
+            self._overflow(queued)
             return
         outbox.frames.append(frame)
+        outbox.queued = queued
         if outbox.idle:
             if self.node.batching:
                 self.node.unsent[self] = None  # written when the batch ends (write_now)
             else:
                 outbox.wake()
+
+    def _overflow(self, queued: int) -> None:
+        """More than the hard cap would wait for this peer: close it (its requests in flight
+        are answered nowhere), never grow the node's memory."""
+        log.warning(
+            "closing a connection that left %d bytes of replies and pushes unread (cap %d)",
+            queued,
+            self.hard_cap,
+        )
+        self.closed = True
+        self.outbox.frames = []
+        self.outbox.queued = 0
+        if self.scope is not None:
+            self.scope.cancel()
+
+    async def _answered(self) -> None:
+        """Wait until every request of this connection is answered and every reply written
+        (polled: this runs once, when the peer stopped sending)."""
+        while self.limiter.value < MAX_IN_FLIGHT or self.outbox.queued:
+            await trio.sleep(0.005)
 
     def write_now(self) -> None:
         """What is queued, written now if the writer task is idle (one system call, no pass
@@ -591,7 +696,10 @@ class Connection:
             self.outbox.write_now()
 
     async def _reader(self, nursery: trio.Nursery) -> None:
+        outbox = self.outbox
         while True:
+            if outbox.queued > outbox.high_water:
+                await outbox.wait_room()  # TCP back-pressure on a peer that does not read
             data = await self.io.receive_some()
             if not data:
                 return
@@ -605,6 +713,7 @@ class Connection:
         a batch must never span a wait, or the replies other tasks make meanwhile would wait
         for it."""
         node = self.node
+        outbox = self.outbox
         handled = 0
         while (event := self.decoder.next_event()) is not None:
             handled += 1
@@ -613,6 +722,11 @@ class Connection:
                 # acknowledgements) and the other connections in between.
                 with node.unbatched:
                     await trio.lowlevel.checkpoint()
+            if outbox.queued > outbox.high_water:
+                # The peer does not read its replies as fast as it asks: take no more of its
+                # requests (those read already wait here) until it has read enough.
+                with node.unbatched:
+                    await outbox.wait_room()
             if isinstance(event, ProtocolError):
                 self.send(error(event.request_id, event.code, event.message))
                 continue
@@ -700,6 +814,11 @@ class Connection:
 
     async def _handle(self, request: Request) -> None:
         try:
+            outbox = self.outbox
+            if outbox.queued > outbox.high_water:
+                # Its reply would only wait in the outbox: made once the peer has read (a
+                # reply may be megabytes, run.logs; many in flight must not all be made).
+                await outbox.wait_room()
             result = await self.node.execute(self, request)
             self.send(ok(request.id, result))
         except Exception as exc:
@@ -819,6 +938,7 @@ class Node:
         self.max_frame = max_frame
         self.hosts: list[ShardHost] = []
         self.workers: dict[str, WorkerSession] = {}
+        self.connections: set[Connection] = set()  # open now (for tests and diagnostics)
         # run id -> shard, for runs out with workers (until their final report)
         self.run_shards: dict[str, int] = {}
         # A batch (begin_batch .. end_batch): a stretch of synchronous work (a connection's
@@ -856,11 +976,10 @@ class Node:
                     for host in hosts:
                         try:
                             host.turn_now()
-                        except Exception:
-                            # A bug (engine errors are handled in turn): its loop takes the
-                            # commands instead, and every other host and writer still runs.
-                            log.exception("shard %d: inline turn failed", host.index)
-                            host.wake()
+                        except Exception as exc:
+                            # A bug (turn itself never raises): the same as in the loop's
+                            # turn, the shard stops; every other host and writer still runs.
+                            host.fail_on_bug(exc, "in an inline turn")
                 conns, self.unsent = self.unsent, {}
                 for conn in conns:
                     conn.write_now()  # never raises
@@ -896,8 +1015,9 @@ class Node:
                 async with trio.open_nursery() as nursery:
                     self.nursery = nursery
                     for host in self.hosts:
-                        nursery.start_soon(host.loop)
-                        nursery.start_soon(self._retain, host)
+                        # A shard's tasks stop that shard when they fail, never the node.
+                        nursery.start_soon(host.guarded, host.loop)
+                        nursery.start_soon(host.guarded, self._retain, host)
                     listeners = await nursery.start(
                         partial(trio.serve_tcp, self._serve_connection, self.port, host=self.host)
                     )
@@ -947,27 +1067,43 @@ class Node:
         return host
 
     async def _retain(self, host: ShardHost) -> None:
-        """Run history retention (by age and count per job), in the background, by ranges."""
+        """Run history retention (by age and count per job), in the background, by ranges.
+        A store error on any pass is logged and retention tries again a period later (it
+        deletes only what is past the policy, so a pass cut short loses nothing); the shard
+        goes on serving."""
         while True:
             await trio.sleep(self.retain_every_s)
             if host.failed is not None:
                 return
             try:
-                report = await trio.to_thread.run_sync(host.store.retain, wall_ms(), self.retention)
+                more = True
+                while more:  # a backlog: keep going, one bounded pass at a time
+                    report = await trio.to_thread.run_sync(
+                        host.store.retain, wall_ms(), self.retention
+                    )
+                    more = report.more
             except StoreError as exc:
                 log.warning("shard %d: retention: %s", host.index, exc)
-                continue
-            while report.more:  # a backlog: keep going, one bounded pass at a time
-                report = await trio.to_thread.run_sync(host.store.retain, wall_ms(), self.retention)
 
     async def _close(self) -> None:
+        """The clean stop, once every task of the node is done: first every shard stops
+        turning (the groups its committer still acknowledges only record their batches as
+        durable: a decision made now could not be committed), then each committer writes what
+        it holds, then each shard stores its final snapshot and closes its store."""
+        for host in self.hosts:
+            host.stopping = True
         for host in self.hosts:
             await trio.to_thread.run_sync(host.committer.close)
             await host.final_snapshot()
             await trio.to_thread.run_sync(host.store.close)
 
     async def _serve_connection(self, stream: trio.SocketStream) -> None:
-        await Connection(self, stream).serve()
+        conn = Connection(self, stream)
+        self.connections.add(conn)
+        try:
+            await conn.serve()
+        finally:
+            self.connections.discard(conn)
 
     def host_of(self, job_id: str) -> ShardHost:
         return self.hosts[shard_of(job_id, self.shards)]

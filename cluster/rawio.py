@@ -101,21 +101,37 @@ def _translate(exc: OSError) -> Exception:
     return trio.BrokenResourceError(f"the connection broke: {exc}")
 
 
+#: Most bytes one write joins from queued frames (a larger frame goes out alone, unjoined): the
+#: writer's copy of what it sends stays this small however much is queued.
+WRITE_PIECE: Final = 1024 * 1024
+
+
 class Outbox:
     """The frames waiting to go out on one connection, for its writer task (:meth:`run`).
 
-    Everything queued while a write was in flight leaves in one write: many replies or
-    requests cost few system calls, and nobody waits for a lock. :meth:`write_now` writes
-    what is queued at once instead, when the writer is idle (a pass of Trio's loop sooner).
+    What was queued while a write was in flight leaves in few writes, of at most
+    :data:`WRITE_PIECE` bytes joined each (a larger frame alone): many replies or requests
+    cost few system calls, nobody waits for a lock, and the join copies a bounded amount.
+    :meth:`write_now` writes what is queued at once instead, when the writer is idle (a pass
+    of Trio's loop sooner).
+
+    Byte accounting: :attr:`queued` is the bytes queued and not yet written, counted by
+    :meth:`put` (or by a caller that appends to :attr:`frames` itself and adds to
+    :attr:`queued`, the node's hot path). A caller that appends without counting, or takes a
+    frame back, only makes the count approximate (never negative; exact again once the
+    outbox empties). :meth:`wait_room` waits until it is at most ``high_water``.
     Not thread-safe: the connection's Trio thread only.
     """
 
-    __slots__ = ("frames", "io", "ready")
+    __slots__ = ("frames", "high_water", "io", "queued", "ready", "room")
 
-    def __init__(self, io: RawSocketIO) -> None:
+    def __init__(self, io: RawSocketIO, high_water: int = 4 * WRITE_PIECE) -> None:
         self.io = io
         self.frames: list[bytes] = []
+        self.queued = 0  # bytes in frames (and in the piece being written)
+        self.high_water = high_water
         self.ready: trio.Event | None = None  # set while the writer waits for frames
+        self.room: trio.Event | None = None  # set once queued falls to high_water
 
     @property
     def idle(self) -> bool:
@@ -131,20 +147,67 @@ class Outbox:
 
     def put(self, frame: bytes) -> None:
         self.frames.append(frame)
+        self.queued += len(frame)
         self.wake()
 
-    def write_now(self) -> None:
-        """If the writer is idle, write what is queued with one system call; what does not fit,
-        and any failure, goes to the writer (which meets the same error and ends)."""
+    async def wait_room(self) -> None:
+        """Wait until at most ``high_water`` bytes are queued (at once if so already; a
+        checkpoint only when it waits). Cancellable."""
+        while self.queued > self.high_water:
+            room = self.room
+            if room is None:
+                room = self.room = trio.Event()
+            await room.wait()
+
+    def _take(self) -> bytes:
+        """The next piece to write, taken off the queue: the first frame alone if it is
+        :data:`WRITE_PIECE` or more, else the frames that fit in one joined piece."""
         frames = self.frames
-        if self.ready is None or not frames:
+        if len(frames) == 1:
+            self.frames = []
+            return frames[0]
+        if self.queued <= WRITE_PIECE:  # all of it fits (the usual case): no sizes summed
+            self.frames = []
+            return b"".join(frames)
+        size = 0
+        count = 0
+        for frame in frames:
+            size += len(frame)
+            if size > WRITE_PIECE and count:
+                break
+            count += 1
+        if count == len(frames):
+            self.frames = []
+            return b"".join(frames)
+        if count == 1:
+            return frames.pop(0)
+        data = b"".join(frames[:count])
+        del frames[:count]
+        return data
+
+    def _written(self, sent: int) -> None:
+        """``sent`` bytes left: count them, and wake whoever waits for room."""
+        self.queued = self.queued - sent if self.frames and self.queued > sent else 0
+        room = self.room
+        if room is not None and self.queued <= self.high_water:
+            self.room = None
+            room.set()
+
+    def write_now(self) -> None:
+        """If the writer is idle, write what is queued with one system call (one piece); what
+        does not fit, and any failure, goes to the writer (which meets the same error and
+        ends)."""
+        if self.ready is None or not self.frames:
             return  # the writer is in a write, or woken already: it takes the queue
-        data = frames[0] if len(frames) == 1 else b"".join(frames)
+        data = self._take()
         try:
             sent = self.io.try_send(data)
         except Exception:
             sent = 0
-        self.frames = [data[sent:]] if sent < len(data) else []
+        if sent < len(data):
+            self.frames.insert(0, data[sent:] if sent else data)
+        if sent:
+            self._written(sent)
         if self.frames:
             self.wake()
 
@@ -155,5 +218,6 @@ class Outbox:
             if not self.frames:
                 ready = self.ready = trio.Event()
                 await ready.wait()
-            frames, self.frames = self.frames, []
-            await self.io.send_all(frames[0] if len(frames) == 1 else b"".join(frames))
+            data = self._take()
+            await self.io.send_all(data)
+            self._written(len(data))

@@ -90,3 +90,40 @@ def test_encoding_an_unencodable_value_is_a_typed_error() -> None:
         assert error.code == "unencodable"
     else:
         raise AssertionError("no error")
+
+
+def test_a_list_or_map_longer_than_any_message_needs_is_refused_before_it_is_built() -> None:
+    """The reviewer's frame: 4,000,000 empty maps in one list (3.8 MiB, under the frame
+    limit, ~300 MiB once built) is one typed error, and the stream goes on; a list as long as
+    the largest a valid message holds still decodes."""
+    from cluster.codec import MAX_ARRAY_LEN, MAX_MAP_LEN
+    from cluster.protocol import MAX_BATCH, MAX_LIMIT
+    from engine.jobs import MAX_TASK_BYTES
+
+    # the limits are the protocol's: nothing valid is refused by them
+    assert MAX_ARRAY_LEN >= max(MAX_TASK_BYTES, MAX_BATCH, MAX_LIMIT)
+    assert MAX_MAP_LEN >= MAX_TASK_BYTES // 2
+    n = 4_000_000
+    head = msgpack.packb({"id": 1, "op": "ping"})
+    body = (
+        b"\x83"
+        + head[1:]
+        + msgpack.packb("args")
+        + b"\x81"
+        + msgpack.packb("x")
+        + b"\xdd"
+        + struct.pack(">I", n)
+        + b"\x80" * n
+    )
+    wide_map = b"\xdf" + struct.pack(">I", MAX_MAP_LEN + 1)
+    wide_map += b"".join(msgpack.packb(f"k{i}") + b"\xc0" for i in range(MAX_MAP_LEN + 1))
+    decoder = FrameDecoder()
+    decoder.feed(
+        frame(body)
+        + frame(b"\x81\xa1m" + wide_map)
+        + encode({"id": 2, "x": [None] * MAX_ARRAY_LEN})
+    )
+    events = drain(decoder)
+    assert [getattr(e, "code", None) for e in events[:2]] == ["container_too_large"] * 2
+    assert isinstance(events[0], ProtocolError) and events[0].request_id is None
+    assert events[2] == {"id": 2, "x": [None] * MAX_ARRAY_LEN}

@@ -593,6 +593,7 @@ def test_protocol_md_documents_every_op_and_every_error_code() -> None:
     wire_codes = {
         "malformed",
         "frame_too_large",
+        "container_too_large",
         "bad_request",
         "unknown_op",
         "bad_args",

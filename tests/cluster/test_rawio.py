@@ -147,3 +147,59 @@ def test_any_socket_error_is_a_broken_resource(monkeypatch: pytest.MonkeyPatch) 
         await right.aclose()
 
     trio.run(main)
+
+
+def test_the_outbox_writes_in_bounded_pieces_and_counts_its_bytes() -> None:
+    """Whatever is queued, one write joins at most WRITE_PIECE bytes (a larger frame goes out
+    alone, unjoined); the count of queued bytes falls as they are written, and a task
+    waiting for room wakes once it is at the high-water mark."""
+    from cluster.rawio import WRITE_PIECE, Outbox
+
+    async def main() -> None:
+        left, right = await _pair()
+        sizes: list[int] = []
+
+        class Counting(RawSocketIO):
+            __slots__ = ()
+
+            async def send_all(self, data: bytes) -> None:
+                sizes.append(len(data))
+                await super().send_all(data)
+
+        io = Counting(left)
+        outbox = Outbox(io, high_water=2 * WRITE_PIECE)
+        small = b"s" * 1000
+        big = b"B" * (3 * WRITE_PIECE)
+        for _ in range(5000):  # ~5 MB of small frames
+            outbox.put(small)
+        outbox.put(big)
+        total = 5000 * len(small) + len(big)
+        assert outbox.queued == total
+        woken: list[int] = []
+        got = bytearray()
+
+        async def wait_room() -> None:
+            await outbox.wait_room()
+            woken.append(outbox.queued)
+
+        async def read_all() -> None:
+            reader = RawSocketIO(right)
+            while len(got) < total:
+                got.extend(await reader.receive_some())
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(wait_room)
+            nursery.start_soon(outbox.run)
+            await read_all()
+            with trio.fail_after(5):
+                while outbox.queued:
+                    await trio.sleep(0.001)
+            nursery.cancel_scope.cancel()
+        assert bytes(got) == small * 5000 + big
+        assert sizes[-1] == len(big)  # alone, not joined to the small ones
+        assert max(sizes[:-1]) <= WRITE_PIECE
+        assert woken and woken[0] <= 2 * WRITE_PIECE
+        await left.aclose()
+        await right.aclose()
+
+    trio.run(main)
