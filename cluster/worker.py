@@ -174,6 +174,8 @@ class WorkerAgent:
         self._fence_wake: trio.Event | None = None  # wakes the fence timer (_fence_timer)
         self._fence_due = True  # the fence deadline has passed: a new task wakes the timer
         self._greeting = False  # a hello again (_greet_again) is under way
+        #: send each output chunk's offset (off once a node refuses the argument)
+        self.output_offsets = True
         self.client: Client
         self.nursery: trio.Nursery
         self.completed = 0
@@ -636,7 +638,7 @@ class WorkerAgent:
                 "stream": stream,
                 "data": data,
                 "attempt": ticket.attempt,
-                "offset": offset,
+                **({"offset": offset} if self.output_offsets else {}),
             },
         )
 
@@ -650,6 +652,12 @@ class WorkerAgent:
             except RemoteError as exc:
                 if exc.code == "not_a_worker":  # the node restarted and forgot us: hello first
                     await self._hello()
+                    continue
+                if exc.field == "offset" and "offset" in args:
+                    # A node from before output offsets: this chunk and the rest go without
+                    # (a resend may then be stored twice, as before).
+                    self.output_offsets = False
+                    args = {k: v for k, v in args.items() if k != "offset"}
                     continue
                 log.warning("%s refused: %s", op, exc)
                 return True  # refused is an answer: the node will not want it again

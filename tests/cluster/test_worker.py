@@ -406,3 +406,24 @@ def test_output_for_a_run_that_does_not_exist_is_refused(tmp_path: Path) -> None
                 nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_output_goes_without_offsets_to_a_node_that_refuses_them() -> None:
+    """A node from before output offsets answers ``bad_args`` (field ``offset``): the chunk
+    goes again without it, and so do the later ones."""
+
+    async def body(node: ScriptedNode, agent: WorkerAgent) -> None:
+        def answer(op: str, args: dict[str, Any]) -> dict[str, Any] | None:
+            if op == "worker.output" and "offset" in args:
+                message = "offset: unknown argument 'offset' for worker.output"
+                return {"error": {"code": "bad_args", "message": message, "field": "offset"}}
+            return node.default(op)
+
+        node.answer = answer
+        await node.push(dispatch("job-o", 1, fencing_token(1, 1), "echo one; sleep 0.2; echo two"))
+        await node.until(lambda: ("job-o@1", fencing_token(1, 1)) in node.finished())
+        stored = [a["data"] for a in node.ops("worker.output") if "offset" not in a]
+        assert b"".join(stored) == b"one\ntwo\n"
+        assert not agent.output_offsets
+
+    with_scripted_node(body)
