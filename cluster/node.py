@@ -1539,12 +1539,27 @@ class Node:
         stream = args["stream"]
         if stream not in ("stdout", "stderr"):
             raise BadArgs("stream: must be stdout or stderr", None, "stream")
-        host, key, at, _job_id = self._run_where(args["run_id"])
+        rid = args["run_id"]
+        host, key, at, _job_id = self._run_where(rid)
+        # Only a run that exists gets output (else it would be kept for good: retention drops
+        # a run's logs with the run). A run dispatched by this node is known without a read;
+        # others (dispatched before a restart) cost one get. A run leaves only once its
+        # record is durable, so the store has it.
+        if rid not in self.run_shards and host.store.run(key, at) is None:
+            raise RunNotFound(f"no run {rid!r}", field="run_id")
         # Output is kept per attempt, whatever the token: a superseded attempt's output is its
         # own history (its reports never change the run's state; its output never mixes with
-        # another attempt's, since readers see the attempt of every chunk).
+        # another attempt's, since readers see the attempt of every chunk). With an offset, a
+        # chunk sent again after a lost answer is not stored twice.
         # An unsynced RocksDB write of one chunk: cheaper inline than a thread hop.
-        host.store.logs.append(key, at, stream, args["data"], attempt=args.get("attempt", 1))
+        host.store.logs.append(
+            key,
+            at,
+            stream,
+            args["data"],
+            attempt=args.get("attempt", 1),
+            offset=args.get("offset"),
+        )
         return {}
 
 

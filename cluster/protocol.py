@@ -66,6 +66,7 @@ OPS: Final[dict[str, ArgSpec]] = {
         "stream": (_STR, True),
         "data": (_BYTES, True),
         "attempt": (_INT, False),
+        "offset": (_INT, False),
     },
     "worker.finished": {
         "run_id": (_STR, True),

@@ -429,14 +429,17 @@ def decide_outcome(returncode: int | None, stop: Stop | None) -> tuple[str, str 
     return "failed", None
 
 
-def stop_notice(stop: Stop, *, grace_s: float, sigkill: bool, returncode: int | None) -> str:
+def stop_notice(
+    stop: Stop, *, grace_s: float, sigkill: bool, returncode: int | None, at_once: bool = False
+) -> str:
     """The line the runner adds to the task's stderr after stopping it, so a reader of the logs
     sees why it ended."""
-    how = (
-        f"SIGTERM, then SIGKILL after the {grace_s:g} s grace"
-        if sigkill
-        else "SIGTERM to the process group"
-    )
+    if at_once:
+        how = "SIGKILL to the process group at once"
+    elif sigkill:
+        how = f"SIGTERM, then SIGKILL after the {grace_s:g} s grace"
+    else:
+        how = "SIGTERM to the process group"
     status = "" if returncode is None else f"; exit {_describe_status(returncode)}"
     return f"tickwheel: stopped ({stop.reason}): {how}{status}"
 
@@ -551,11 +554,21 @@ class RunHandle:
         self.kill_reason: str | None = None
         #: The process id (and group id) of the task's main process, once started.
         self.pid: int | None = None
+        #: SIGKILL at once, no SIGTERM and no grace (:meth:`kill` with ``at_once``)
+        self.at_once = False
+        self._grace: trio.CancelScope | None = None  # the grace being waited out, if any
 
-    def kill(self, reason: str) -> None:
+    def kill(self, reason: str, *, at_once: bool = False) -> None:
         """Stop the task: SIGTERM to its group, the grace, SIGKILL; the outcome is ``killed``
         with ``reason`` (e.g. ``cancelled``, ``superseded``, ``fenced: no heartbeat``). The
-        first reason given wins; later calls are ignored. Returns at once."""
+        first reason given wins. ``at_once``: SIGKILL to the group now, without SIGTERM or
+        grace (a worker fencing itself: the run may be handed out again as soon as its lease
+        lapses, so no grace can be afforded); it also cuts short a grace already running.
+        Returns at once."""
+        if at_once and not self.at_once:
+            self.at_once = True
+            if self._grace is not None:
+                self._grace.cancel()  # the stop sequence goes on to its SIGKILL now
         if self.kill_reason is None:
             self.kill_reason = reason
             self._kill.set()
@@ -740,7 +753,7 @@ async def _supervise(
                 nursery.start_soon(read_all)
                 stop = await _wait_exit_or_stop(proc, handle, ticket.timeout_ms)
                 if stop is not None or await _group_alive_async(pgid):
-                    sigkill = await _stop_group(proc, pgid, grace_s)
+                    sigkill = await _stop_group(proc, pgid, grace_s, handle)
                 returncode = await proc.wait()
                 with trio.move_on_after(drain_s):
                     await readers_done.wait()
@@ -752,7 +765,13 @@ async def _supervise(
                 with trio.CancelScope(shield=True):
                     await _remove_container(plan)
             await out.notice(
-                stop_notice(stop, grace_s=grace_s, sigkill=sigkill, returncode=returncode)
+                stop_notice(
+                    stop,
+                    grace_s=grace_s,
+                    sigkill=sigkill,
+                    returncode=returncode,
+                    at_once=handle.at_once,
+                )
             )
     except BaseException:
         # Cancelled from outside, or on_output raised: nothing we started may outlive us, and
@@ -808,11 +827,21 @@ async def _wait_exit_or_stop(
     return stops[0] if stops else None
 
 
-async def _stop_group(proc: trio.Process, pgid: int, grace_s: float) -> bool:
+async def _stop_group(
+    proc: trio.Process, pgid: int, grace_s: float, handle: RunHandle | None = None
+) -> bool:
     """SIGTERM the group; SIGKILL it if the main process or any member is still running after
-    ``grace_s``. Returns whether SIGKILL was needed. Returns once the main process is reaped."""
+    ``grace_s``, or at once (no SIGTERM) when ``handle`` asks for it (:meth:`RunHandle.kill`
+    with ``at_once``, before or during the grace). Returns whether SIGKILL was needed.
+    Returns once the main process is reaped."""
+    if handle is not None and handle.at_once:
+        _signal_group(pgid, signal.SIGKILL)
+        await proc.wait()
+        return True
     _signal_group(pgid, signal.SIGTERM)
-    with trio.move_on_after(grace_s):
+    with trio.move_on_after(grace_s) as grace:
+        if handle is not None:
+            handle._grace = grace
         await proc.wait()
         # The leader is reaped; members still running keep the group id reserved, so the
         # signals below cannot reach an unrelated group (once the group is empty the id could

@@ -6,9 +6,16 @@ it still holds (again after every reconnect, so a restarted node re-attaches the
 retried until the node has them; the start report, sent without waiting for its answer, which
 carries nothing the worker needs), kills the node asks for, and self-fencing: a worker
 that has not had a heartbeat acknowledged for longer than its lease minus a margin kills its
-tasks, since the node will treat them as lost or hand them out again (DESIGN.md, "Workers fence
-themselves"). Tasks run through :mod:`cluster.runner`; ``payload`` tasks go to a handler given
-by user code (a worker built on the client library), or fail with a clear error without one.
+tasks at once (SIGKILL, no grace: :func:`engine.lease.worker_fence_at`), since the node will
+treat them as lost or hand them out again (DESIGN.md, "Workers fence themselves"), and says
+hello again without them. A timer watches that deadline, moved by every acknowledgement.
+
+A dispatch is keyed by (run id, token): a repeat is ignored, a newer attempt of a run it holds
+supersedes the old one (stopped at once, its reports dropped), and one stamped with an epoch
+older than the newest this worker has seen for the job's shard is refused
+(:class:`engine.lease.EpochFence`, as the simulated worker does). Tasks run through
+:mod:`cluster.runner`; ``payload`` tasks go to a handler given by user code (a worker built on
+the client library), or fail with a clear error without one.
 
 Must never decide what the node decides (who gets a run, what a timeout means for the run's
 state): it reports what happened, with the run's fencing token, and the node's engine decides.
@@ -31,14 +38,19 @@ import trio
 from cluster.client import Client, ClientError, ConnectionLost, RemoteError
 from cluster.runner import RunHandle, TaskNotRunnable, run_task
 from engine.effects import RunTicket
-from engine.lease import worker_fence_at
+from engine.lease import EpochFence, worker_fence_at
+from engine.routing import shard_of
+from engine.runs import token_epoch
 
 log = logging.getLogger("tickwheel.worker")
 
 #: fraction of the lease between heartbeats
 HEARTBEAT_FRACTION = 3
-#: the worker fences itself this long before its lease could lapse on the node
+#: the worker fences itself this long before its lease could lapse on the node: the slack for
+#: the fence timer's lateness and the SIGKILL's delivery (fencing kills at once, no grace)
 FENCE_MARGIN_MS = 2_000
+#: why a fenced task was stopped (its output's last line says so)
+FENCED = "fenced: no heartbeat acknowledged within the lease"
 
 PayloadHandler = Callable[[RunTicket, Callable[[str, bytes], Awaitable[None]]], Awaitable[int]]
 
@@ -72,7 +84,7 @@ class _Runner:
 class _Held:
     """A run this worker holds, from its dispatch until the node has its final report."""
 
-    __slots__ = ("_handle", "outcome", "reporting", "ticket")
+    __slots__ = ("_handle", "gone", "outcome", "reporting", "scope", "ticket")
 
     def __init__(self, ticket: RunTicket) -> None:
         self.ticket = ticket
@@ -80,6 +92,16 @@ class _Held:
         #: finished, not yet acknowledged by the node
         self.outcome: tuple[str, int | None] | None = None
         self.reporting = False  # its final report is out, its answer not yet in
+        #: why this attempt was let go (superseded, fenced): no longer held, nothing reported
+        self.gone: str | None = None
+        #: a payload run's handler, while it runs (cancelled by a kill or a fence)
+        self.scope: trio.CancelScope | None = None
+
+    def stop(self, reason: str, *, at_once: bool = False) -> None:
+        """Stop the task (a command's process group; a payload handler is cancelled)."""
+        if self.scope is not None:
+            self.scope.cancel()
+        self.handle.kill(reason, at_once=at_once)
 
     @property
     def handle(self) -> RunHandle:
@@ -137,12 +159,23 @@ class WorkerAgent:
         self.kill_grace_s = kill_grace_s
         self.container_runtime = container_runtime
         self.payload_handler = payload_handler
-        self.held: dict[str, _Held] = {}  # run id -> run this worker holds
-        self.running = 0  # runs of self.held without an outcome yet
+        self.held: dict[str, _Held] = {}  # run id -> the attempt of it this worker holds
+        self.running = 0  # tasks started that have not ended (let-go attempts included)
         self.waiting: list[RunTicket] = []  # dispatched beyond the free slots (several shards)
         self.lease_ms = 10_000
         # when the newest acknowledged heartbeat (or hello) left: what the fence counts from
         self.acked_sent_ms = 0
+        #: the node's shard count (from the hello's answer; 0 until then)
+        self.shards = 0
+        #: shard -> the newest epoch seen in a dispatch's token: older ones are refused
+        self.newest_epoch: dict[int, int] = {}
+        self.epoch_fence = EpochFence()
+        self.fenced = 0  # times this worker fenced itself (tasks killed, hello again)
+        self._fence_wake: trio.Event | None = None  # wakes the fence timer (_fence_timer)
+        self._fence_due = True  # the fence deadline has passed: a new task wakes the timer
+        self._greeting = False  # a hello again (_greet_again) is under way
+        #: send each output chunk's offset (off once a node refuses the argument)
+        self.output_offsets = True
         self.client: Client
         self.nursery: trio.Nursery
         self.completed = 0
@@ -170,6 +203,7 @@ class WorkerAgent:
                 self.nursery = nursery
                 await self._hello()
                 nursery.start_soon(self._heartbeats)
+                nursery.start_soon(self._fence_timer)
                 nursery.start_soon(self._reporter)
                 task_status.started()
 
@@ -197,50 +231,170 @@ class WorkerAgent:
             },
         )
         self.lease_ms = int(result["lease_ms"])
-        self.acked_sent_ms = sent
+        self.shards = int(result.get("shards", 0))
+        self._acked(sent)
+        self._wake_fence()  # the lease may have changed: the deadline with it
         # Reports the node may have missed while the connection was down.
         for rid, held in list(self.held.items()):
             if held.outcome is not None:
                 self.nursery.start_soon(self._report_finished, rid)
 
+    def _greet_again(self) -> None:
+        """Say hello again, in the background, retrying until the node answers (one at a
+        time): after a fence (a heartbeat does not tell the node which runs are gone, a hello
+        does), a ``refused`` push, or ``not_a_worker`` (the node does not take this
+        connection for the worker, so every heartbeat would fail until the fence)."""
+        if not self._greeting:
+            self._greeting = True
+            self.nursery.start_soon(self._hello_until_answered)
+
+    async def _hello_until_answered(self) -> None:
+        try:
+            while True:
+                try:
+                    await self._hello()
+                    return
+                except ClientError as exc:
+                    log.warning("hello failed: %s; retrying", exc)
+                    await trio.sleep(0.5)
+        finally:
+            self._greeting = False
+
+    def _acked(self, sent_ms: int) -> None:
+        """The node acknowledged a heartbeat or hello that left at ``sent_ms``: the fence
+        deadline moves (replies may come out of order: only a later send moves it)."""
+        if sent_ms > self.acked_sent_ms:
+            self.acked_sent_ms = sent_ms
+            if self._fence_due:
+                self._wake_fence()
+
+    def _wake_fence(self) -> None:
+        wake = self._fence_wake
+        if wake is not None:
+            self._fence_wake = None
+            wake.set()
+
     async def _heartbeats(self) -> None:
+        """One heartbeat every lease / 3, counted from when the previous one left (a slow
+        answer does not delay the next beyond that), each waiting at most that long."""
+        next_at = trio.current_time()
         while True:
-            await trio.sleep(self.lease_ms / HEARTBEAT_FRACTION / 1000)
+            period_s = self.lease_ms / HEARTBEAT_FRACTION / 1000
+            next_at = max(next_at + period_s, trio.current_time())
+            await trio.sleep_until(next_at)
             sent = _mono_ms()
             try:
                 await self.client.request(
-                    "worker.heartbeat",
-                    {"held": self._held_list()},
-                    timeout_s=self.lease_ms / HEARTBEAT_FRACTION / 1000,
+                    "worker.heartbeat", {"held": self._held_list()}, timeout_s=period_s
                 )
-                self.acked_sent_ms = sent
+                self._acked(sent)
+            except RemoteError as exc:
+                log.warning("heartbeat refused: %s", exc)
+                if exc.code == "not_a_worker":
+                    self._greet_again()
             except ClientError as exc:
                 log.warning("heartbeat failed: %s", exc)
-            if _mono_ms() >= worker_fence_at(self.acked_sent_ms, self.lease_ms, FENCE_MARGIN_MS):
+
+    async def _fence_timer(self) -> None:
+        """Sleeps until the fence deadline (:func:`engine.lease.worker_fence_at` of the newest
+        acknowledged heartbeat), waking early when the lease changes; an acknowledgement only
+        moves the deadline later, so it is recomputed when the sleep ends. Past the deadline,
+        fences (if anything runs) and waits for an acknowledgement or a task started since."""
+        while True:
+            deadline = worker_fence_at(self.acked_sent_ms, self.lease_ms, FENCE_MARGIN_MS)
+            now = _mono_ms()
+            wake = self._fence_wake = trio.Event()
+            if now < deadline:
+                self._fence_due = False
+                with trio.move_on_after((deadline - now) / 1000):
+                    await wake.wait()
+                continue
+            self._fence_due = True
+            if self.waiting or any(h.outcome is None for h in self.held.values()):
                 self._fence()
+            await wake.wait()
 
     def _fence(self) -> None:
-        """The node may already consider this worker gone: stop everything it runs."""
-        for held in self.held.values():
-            if held.outcome is None:
-                held.handle.kill("fenced: no heartbeat acknowledged within the lease")
+        """The node may consider this worker gone once its lease lapses: every task it runs is
+        killed at once (SIGKILL: a grace would outlast the lease) and let go unreported, what
+        waits for a slot is dropped, and a hello without them tells the node (at-least-once
+        runs go out again, at-most-once ones are LOST after the grace). Finished runs whose
+        report is not acknowledged stay held: their outcome is known and still counts."""
+        doomed = [(rid, h) for rid, h in self.held.items() if h.outcome is None]
+        log.warning("fencing: %d tasks killed, %d waiting dropped", len(doomed), len(self.waiting))
+        self.fenced += 1
+        for rid, held in doomed:
+            self._let_go(rid, held, FENCED)
         self.waiting.clear()
+        self._greet_again()
+
+    def _let_go(self, rid: str, held: _Held, reason: str) -> None:
+        """Stop holding ``held`` (superseded or fenced): its task is killed at once and ends
+        unreported; it is no longer announced as held."""
+        held.gone = reason
+        if self.held.get(rid) is held:
+            del self.held[rid]
+        if held.outcome is None:
+            held.stop(reason, at_once=True)
+
+    def _accepts(self, ticket: RunTicket) -> bool:
+        """Whether a dispatch passes the epoch fence: refused when its token's epoch is older
+        than the newest this worker has seen for the job's shard (DESIGN.md: workers refuse
+        the dispatches of a stale owner). Before the first hello's answer the shard count is
+        unknown, but nothing has been seen yet either: accepted, not recorded."""
+        shards = self.shards
+        if not shards:
+            return True
+        shard = shard_of(ticket.job_id, shards)
+        epoch = token_epoch(ticket.token)
+        newest = self.newest_epoch.get(shard, 0)
+        if not self.epoch_fence.accepts(newest, epoch):
+            log.warning(
+                "refused dispatch of %s: epoch %d, shard %d is at %d",
+                ticket.run_id,
+                epoch,
+                shard,
+                newest,
+            )
+            return False
+        if epoch > newest:
+            self.newest_epoch[shard] = epoch
+        return True
+
+    def _on_dispatch(self, ticket: RunTicket) -> None:
+        """A dispatch, keyed by (run id, token): a repeat or an older attempt is ignored; a
+        newer attempt of a run held supersedes it (the node hands a run out again, to this
+        worker too, once it no longer counts the old attempt: after a restart that undid the
+        claim, say); a stale owner's is refused (:meth:`_accepts`). Refused dispatches are not
+        answered (as the simulated worker): the stale owner can no longer act on the run."""
+        if not self._accepts(ticket):
+            return
+        rid = ticket.run_id
+        held = self.held.get(rid)
+        if held is not None:
+            if ticket.token <= held.ticket.token:
+                return  # a repeat of what we hold, or an older attempt
+            self._let_go(rid, held, f"superseded by attempt {ticket.attempt}")
+        for i, waiting in enumerate(self.waiting):
+            if waiting.run_id == rid:
+                if ticket.token <= waiting.token:
+                    return
+                del self.waiting[i]  # superseded before it started
+                break
+        if self.running < self.slots:
+            self._start(ticket)
+        else:
+            self.waiting.append(ticket)
 
     def _on_push(self, message: dict[str, Any]) -> None:
         """A push from the node, in the order they came (called by the client's reader)."""
         kind = message.get("push")
         if kind == "dispatch":
-            ticket = ticket_of(message["run"])
-            if ticket.run_id in self.held:
-                return  # a repeat of what we hold
-            if self.running < self.slots:
-                self._start(ticket)
-            else:
-                self.waiting.append(ticket)
+            self._on_dispatch(ticket_of(message["run"]))
         elif kind == "kill":
             held = self.held.get(message["run_id"])
             if held is not None and held.ticket.token == message["token"]:
-                held.handle.kill(str(message.get("reason", "killed by the node")))
+                held.stop(str(message.get("reason", "killed by the node")))
             self.waiting = [
                 t
                 for t in self.waiting
@@ -248,7 +402,7 @@ class WorkerAgent:
             ]
         elif kind == "refused":
             log.warning("node refused a report: %s", message.get("message"))
-            self.nursery.start_soon(self._hello)
+            self._greet_again()
 
     # ------------------------------------------------------------------ one run
 
@@ -273,6 +427,8 @@ class WorkerAgent:
         held = _Held(ticket)
         self.held[ticket.run_id] = held
         self.running += 1
+        if self._fence_due:
+            self._wake_fence()  # no acknowledgement within the lease: not even a new task
         return held
 
     async def _run_tasks(self, runner: _Runner) -> None:
@@ -310,9 +466,12 @@ class WorkerAgent:
     async def _execute(self, held: _Held) -> None:
         ticket = held.ticket
         rid = ticket.run_id
+        sent = 0  # bytes of this attempt's output sent so far: the next chunk's offset
 
         async def on_output(stream: str, data: bytes) -> None:
-            await self._send_output(ticket, stream, data)
+            nonlocal sent
+            offset, sent = sent, sent + len(data)
+            await self._send_output(ticket, stream, data, offset)
 
         # The start report goes with the reporter's next pass, if the task still runs then:
         # the task does not wait for it, and a task that ends in its first step (an instant
@@ -320,13 +479,18 @@ class WorkerAgent:
         self._to_start.append(held)
         self._wake_reporter()
         try:
-            if "payload" in ticket.task:
+            if held.gone is not None:
+                outcome, code = "killed", None  # let go before it started
+            elif "payload" in ticket.task:
                 if self.payload_handler is None:
                     await on_output("stderr", b"tickwheel: this worker runs no payload tasks\n")
                     outcome, code = "failed", None
                 else:
-                    code = await self.payload_handler(ticket, on_output)
-                    outcome = "success" if code == 0 else "failed"
+                    outcome, code = "killed", None
+                    with trio.CancelScope() as held.scope:  # a kill or a fence cancels it
+                        code = await self.payload_handler(ticket, on_output)
+                        outcome = "success" if code == 0 else "failed"
+                    held.scope = None
             else:
                 # "mark": the node records TIMED_OUT; the task runs on to its own end.
                 local = ticket._replace(timeout_ms=None) if ticket.on_timeout == "mark" else ticket
@@ -344,7 +508,9 @@ class WorkerAgent:
         held.outcome = (outcome, code)
         self.running -= 1
         self.completed += 1
-        self._send_finished(rid)
+        if held.gone is None:
+            self._send_finished(rid)
+        # else superseded or fenced: no longer held, and its report would not count
 
     @staticmethod
     def _report_of(rid: str, held: _Held) -> dict[str, Any]:
@@ -421,7 +587,7 @@ class WorkerAgent:
                 held.reporting = False
             if answer.code == "not_a_worker":
                 # The node forgot us: one hello, which reports every finished run again.
-                self.nursery.start_soon(self._hello)
+                self._greet_again()
                 return
             # The batch was refused whole (a node without worker.finished_many, a report it
             # found malformed): nothing of it was taken, so each report goes again alone, and
@@ -430,14 +596,13 @@ class WorkerAgent:
             for rid, _held in batch:
                 self.nursery.start_soon(self._report_finished, rid)
             return
-        for rid, _held in batch:
-            self._finished_answered(rid, answer)
+        for rid, held in batch:
+            self._finished_answered(rid, held, answer)
 
-    def _finished_answered(self, rid: str, answer: Any) -> None:
+    def _finished_answered(self, rid: str, held: _Held, answer: Any) -> None:
         """A batch's answer other than a refusal, for one of its runs."""
-        held = self.held.get(rid)
-        if held is None:
-            return
+        if self.held.get(rid) is not held:
+            return  # a newer attempt of the run took its place meanwhile
         held.reporting = False
         if isinstance(answer, ConnectionLost):
             return  # the hello after the reconnect reports it again
@@ -457,10 +622,14 @@ class WorkerAgent:
             done = await self._report("worker.finished", self._finished_args(rid, held))
         finally:
             held.reporting = False
-        if done and self.held.pop(rid, None) is not None:
+        if done and self.held.get(rid) is held:
+            del self.held[rid]
             self.acknowledged(rid)
 
-    async def _send_output(self, ticket: RunTicket, stream: str, data: bytes) -> None:
+    async def _send_output(self, ticket: RunTicket, stream: str, data: bytes, offset: int) -> None:
+        """One chunk of an attempt's output, with its byte offset in that attempt's output:
+        a chunk sent again (its answer was lost with the connection) is dropped by the node
+        instead of being stored twice."""
         await self._report(
             "worker.output",
             {
@@ -469,6 +638,7 @@ class WorkerAgent:
                 "stream": stream,
                 "data": data,
                 "attempt": ticket.attempt,
+                **({"offset": offset} if self.output_offsets else {}),
             },
         )
 
@@ -482,6 +652,12 @@ class WorkerAgent:
             except RemoteError as exc:
                 if exc.code == "not_a_worker":  # the node restarted and forgot us: hello first
                     await self._hello()
+                    continue
+                if exc.field == "offset" and "offset" in args:
+                    # A node from before output offsets: this chunk and the rest go without
+                    # (a resend may then be stored twice, as before).
+                    self.output_offsets = False
+                    args = {k: v for k, v in args.items() if k != "offset"}
                     continue
                 log.warning("%s refused: %s", op, exc)
                 return True  # refused is an answer: the node will not want it again

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Final, Protocol
+from typing import Any, Final, Protocol
 
 from rocksdict import Rdict, ReadOptions, WriteBatch, WriteOptions
 
@@ -71,8 +71,19 @@ class LogPage:
 class LogStore(Protocol):
     """Where run output goes. ``key``/``at`` name a run (job key, scheduled ms)."""
 
-    def append(self, key: int, at: int, stream: str, data: bytes, *, attempt: int = 1) -> None:
-        """Add ``data`` to the run's output, keeping it within the run's cap."""
+    def append(
+        self,
+        key: int,
+        at: int,
+        stream: str,
+        data: bytes,
+        *,
+        attempt: int = 1,
+        offset: int | None = None,
+    ) -> None:
+        """Add ``data`` to the run's output, keeping it within the run's cap. ``offset``: where
+        ``data`` starts in the attempt's output (all its streams, in the order sent); bytes
+        below what the attempt already has are a resend and are dropped. None: no check."""
         ...
 
     def read(
@@ -88,8 +99,13 @@ class LogStore(Protocol):
 
 
 # The run's log state at seq 0: [next seq, total bytes received, head bytes, last head seq,
-# tail bytes, first live tail seq (0 until the tail starts), bytes dropped].
-_NEXT, _TOTAL, _HEAD, _HEND, _TAIL, _TFIRST, _DROPPED = range(7)
+# tail bytes, first live tail seq (0 until the tail starts), bytes dropped, and (once an append
+# carried an offset) a flat list [attempt, bytes of it received, ...]]. States written before
+# the last entry existed have 7 entries; they read the same.
+_NEXT, _TOTAL, _HEAD, _HEND, _TAIL, _TFIRST, _DROPPED, _RECEIVED = range(8)
+_SEQ_MASK: Final = (1 << 32) - 1  # a cursor's seq bits
+#: attempts whose received byte count a run's state keeps (the newest ones)
+_MAX_TRACKED_ATTEMPTS: Final = 16
 
 
 def _prefix(key: int, at: int) -> bytes:
@@ -134,7 +150,16 @@ class RocksLogStore:
 
     # ------------------------------------------------------------------------ writing
 
-    def append(self, key: int, at: int, stream: str, data: bytes, *, attempt: int = 1) -> None:
+    def append(
+        self,
+        key: int,
+        at: int,
+        stream: str,
+        data: bytes,
+        *,
+        attempt: int = 1,
+        offset: int | None = None,
+    ) -> None:
         code = _STREAM_CODE.get(stream)
         if code is None:
             raise StoreUsageError(f"unknown log stream {stream!r} (expected one of {STREAMS})")
@@ -142,6 +167,8 @@ class RocksLogStore:
             raise StoreUsageError(f"log data must be bytes, got {type(data).__name__}")
         if not 0 <= attempt < 1 << 32:
             raise StoreUsageError(f"attempt {attempt} out of range")
+        if offset is not None and offset < 0:
+            raise StoreUsageError(f"offset {offset} out of range")
         data = bytes(data)
         if not data:
             return
@@ -150,7 +177,11 @@ class RocksLogStore:
         prefix = _prefix(key, at)
         with self._lock:
             raw = self._get(prefix + codec.u32(0))
-            state: list[int] = [1, 0, 0, 0, 0, 0, 0] if raw is None else codec.unpack(raw)
+            state: list[Any] = [1, 0, 0, 0, 0, 0, 0] if raw is None else codec.unpack(raw)
+            if offset is not None:
+                data = _unseen(state, attempt, offset, data)
+                if not data:
+                    return  # all of it stored already: a resend whose answer was lost
             batch = WriteBatch(raw_mode=True)
             state[_TOTAL] += len(data)
             if state[_TFIRST] == 0 and state[_HEAD] < head_cap:
@@ -224,7 +255,13 @@ class RocksLogStore:
     def read(
         self, key: int, at: int, *, cursor: int = 0, limit: int = 64, max_bytes: int = 1 << 20
     ) -> LogPage:
-        if cursor < 0 or limit < 1 or max_bytes < 1:
+        """See :class:`LogStore`. A cursor is opaque: its low 32 bits are the next chunk's seq,
+        the high 32 bits where that chunk starts in the run's tail (bytes past the head),
+        modulo 2**32. A reader whose next chunk was evicted (or cut at its front) since it
+        got the cursor gets one ``cut`` chunk with the bytes it missed: from its position to
+        the first byte still kept, which is always the total dropped (eviction drops a prefix
+        of the tail). Exact while a reader misses less than 4 GiB between two pages."""
+        if cursor < 0 or cursor >= 1 << 64 or limit < 1 or max_bytes < 1:
             raise StoreUsageError(
                 f"bad page request: cursor={cursor} limit={limit} max_bytes={max_bytes}"
             )
@@ -232,20 +269,25 @@ class RocksLogStore:
         raw = self._get(prefix + codec.u32(0))
         if raw is None:
             return LogPage([], cursor, True)
-        state: list[int] = codec.unpack(raw)
+        state: list[Any] = codec.unpack(raw)
         out: list[LogChunk] = []
         budget = [max_bytes]
-        c = max(cursor, 1)
-        if c <= state[_HEND]:
-            c = self._scan(prefix, c, state[_HEND] + 1, limit, budget, out)
-        tfirst = state[_TFIRST]
-        if tfirst and len(out) < limit and budget[0] > 0 and state[_HEND] < c < tfirst:
-            if state[_DROPPED]:
-                out.append(LogChunk(c, CUT, 0, b"", state[_DROPPED]))
-            c = tfirst
+        c, pos = max(cursor & _SEQ_MASK, 1), cursor >> 32
+        hend, tfirst, dropped = state[_HEND], state[_TFIRST], state[_DROPPED]
+        if c <= hend:
+            c = self._scan(prefix, c, hend + 1, limit, budget, out)
+        if c <= hend + 1:
+            pos = 0  # at the head's end: the tail's first byte is next
+        if tfirst and c <= tfirst and len(out) < limit and budget[0] > 0:
+            missed = (dropped - pos) % (1 << 32)  # a position at or before the kept front
+            if missed:
+                out.append(LogChunk(c, CUT, 0, b"", missed))
+            c, pos = tfirst, dropped
         if tfirst and c >= tfirst and len(out) < limit and budget[0] > 0:
+            taken = len(out)
             c = self._scan(prefix, c, state[_NEXT], limit, budget, out)
-        return LogPage(out, c, c >= state[_NEXT])
+            pos += sum(len(chunk.data) for chunk in out[taken:])
+        return LogPage(out, c | (pos % (1 << 32)) << 32, c >= state[_NEXT])
 
     def _scan(
         self, prefix: bytes, lo: int, hi: int, limit: int, budget: list[int], out: list[LogChunk]
@@ -292,6 +334,30 @@ class RocksLogStore:
             self._db.write(batch, self._nosync)
         except Exception as exc:
             raise translate(exc, path=self._path, doing=doing) from exc
+
+
+def _unseen(state: list[Any], attempt: int, offset: int, data: bytes) -> bytes:
+    """The part of ``data`` (at ``offset`` of ``attempt``'s output) past what the run's
+    ``state`` says that attempt already has; records the new end in ``state``. A gap (an
+    offset past the end: appends lost with a crash of the machine) is accepted as it is."""
+    if len(state) <= _RECEIVED:
+        state.append([])
+    received: list[int] = state[_RECEIVED]
+    end = offset + len(data)
+    for i in range(0, len(received), 2):
+        if received[i] == attempt:
+            have = received[i + 1]
+            if end <= have:
+                return b""
+            received[i + 1] = end
+            return data[max(0, have - offset) :]
+    received += [attempt, end]
+    if len(received) > 2 * _MAX_TRACKED_ATTEMPTS:
+        # The oldest attempt goes: it ended long ago (attempts of one run do not overlap for
+        # long), so a resend of it is not to be expected.
+        oldest = min(range(0, len(received), 2), key=lambda i: received[i])
+        del received[oldest : oldest + 2]
+    return data
 
 
 def _run_bound(key: int, at: int) -> bytes:

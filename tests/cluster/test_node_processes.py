@@ -157,8 +157,10 @@ def test_node_sigkill_loses_no_acknowledged_job_and_runs_at_most_once_jobs_once(
     tmp_path: Path,
 ) -> None:
     data, executions = tmp_path / "data", tmp_path / "executions"
-    # A lease longer than a restart takes: the worker keeps its task and re-attaches it.
-    node = NodeProc(data, tmp_path / "node.log", lease="5s")
+    # A lease longer than a restart takes: the worker keeps its task and re-attaches it. The
+    # worker fences at the lease less 2 s after its last acknowledged heartbeat, which may
+    # have left a third of the lease before the kill: 10 s leaves the restart 4.6 s.
+    node = NodeProc(data, tmp_path / "node.log", lease="10s")
     worker = WorkerProc(node.port, tmp_path / "worker.log", slots=1)
     task = {"shell": f"sleep 2; echo $TICKWHEEL_RUN_ID >> {executions}"}
     amo = [f"amo-{i}" for i in range(3)]
@@ -183,7 +185,7 @@ def test_node_sigkill_loses_no_acknowledged_job_and_runs_at_most_once_jobs_once(
         # One at-most-once run is running (one slot), two wait PENDING. Power off the node.
         wait_until(lambda: any(r["state"] == "RUNNING" for j in amo for r in history(node.port, j)))
         node.kill()
-        node = NodeProc(data, tmp_path / "node2.log", port=node.port, lease="5s")
+        node = NodeProc(data, tmp_path / "node2.log", port=node.port, lease="10s")
         runs = wait_until(lambda: settled(node.port, amo), timeout=60)
         assert all([r["state"] for r in runs[j]] == ["SUCCESS"] for j in amo), runs
         lines = executions.read_text().split()

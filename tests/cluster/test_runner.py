@@ -766,3 +766,37 @@ def test_outcome_values_are_what_report_finished_expects() -> None:
     from cluster.runner import OUTCOMES
 
     assert OUTCOMES == ("success", "failed", "timed_out", "killed")
+
+
+@pytest.mark.parametrize("first", ["at_once", "then_at_once"])
+def test_a_kill_at_once_sends_sigkill_without_waiting_out_the_grace(first: str) -> None:
+    """A fencing worker's kill: SIGKILL to the group now, whether the task was already in the
+    grace of an ordinary kill (which it cuts short) or not (no SIGTERM at all). The grace here
+    is far longer than the test's bound, so waiting it out fails the test."""
+    handle = RunHandle()
+    collected = Collected()
+
+    async def sink(stream: str, data: bytes) -> None:
+        await collected(stream, data)
+        if b"ready" in data:
+            if first == "then_at_once":
+                handle.kill("cancelled")
+                await trio.sleep(0.2)  # inside the grace now (SIGTERM is ignored)
+            handle.kill("fenced", at_once=True)
+
+    script = "trap 'echo got-term' TERM; echo ready; while :; do sleep 0.05; done"
+
+    async def main() -> TaskOutcome:
+        with trio.fail_after(20):
+            return await run_task(
+                ticket({"shell": script}), on_output=sink, handle=handle, kill_grace_s=60
+            )
+
+    outcome = trio.run(main)
+    assert outcome.outcome == "killed" and outcome.exit_code == -signal.SIGKILL
+    assert outcome.reason == ("cancelled" if first == "then_at_once" else "fenced")
+    assert collected.text("stderr").endswith(
+        "SIGKILL to the process group at once; exit signal SIGKILL\n"
+    )
+    if first == "at_once":
+        assert "got-term" not in collected.text("stdout")  # no SIGTERM was sent

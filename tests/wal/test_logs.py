@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.wal.records import T0
 from wal.errors import StoreUsageError
@@ -86,7 +89,8 @@ def test_a_reader_that_falls_behind_the_tail_is_told(store: ShardStore) -> None:
     for i in range(3, 6):
         store.logs.append(4, T0, "stdout", bytes([65 + i]) * 10)
     rest = store.logs.read(4, T0, cursor=first.cursor, limit=100)
-    assert rest.chunks[0].stream == CUT and rest.chunks[0].dropped == 30
+    # B was read; C and D were dropped before this reader got to them (A was the head).
+    assert rest.chunks[0].stream == CUT and rest.chunks[0].dropped == 20
     assert b"".join(c.data for c in rest.chunks) == b"E" * 10 + b"F" * 10
     assert rest.at_end
 
@@ -121,3 +125,81 @@ def test_bad_calls(store: ShardStore) -> None:
         store.logs.read(1, T0, limit=0)
     with pytest.raises(StoreUsageError):
         LogLimits(tail_bytes=0)
+
+
+def test_a_chunk_sent_again_with_its_offset_is_stored_once(store: ShardStore) -> None:
+    logs = store.logs
+    logs.append(8, T0, "stdout", b"first\n", attempt=1, offset=0)
+    logs.append(8, T0, "stdout", b"first\n", attempt=1, offset=0)  # its answer was lost
+    logs.append(8, T0, "stderr", b"oops\n", attempt=1, offset=6)
+    logs.append(8, T0, "stdout", b"abc", attempt=1, offset=11)
+    logs.append(8, T0, "stdout", b"bcdef", attempt=1, offset=12)  # overlaps: the rest only
+    logs.append(8, T0, "stdout", b"first\n", attempt=2, offset=0)  # another attempt's own
+    logs.append(8, T0, "stdout", b"x", attempt=1)  # no offset (an older worker): no check
+    chunks = read_all(logs, 8, T0, limit=100)
+    assert all(c.stream != CUT for c in chunks)
+    got = {a: b"".join(c.data for c in chunks if c.attempt == a) for a in (1, 2)}
+    assert got == {1: b"first\noops\nabcdefx", 2: b"first\n"}
+    with pytest.raises(StoreUsageError):
+        logs.append(8, T0, "stdout", b"y", offset=-1)
+
+
+_OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("append"), st.integers(1, 25), st.sampled_from(["stdout", "stderr"])),
+        st.tuples(st.just("read"), st.integers(0, 2), st.integers(1, 4), st.integers(1, 40)),
+    ),
+    max_size=40,
+)
+
+
+_RUNS = iter(range(T0, T0 + 10**9))  # a fresh run per example, in one store
+
+
+@pytest.fixture(scope="module")
+def shared_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ShardStore]:
+    with ShardStore.open(tmp_path_factory.mktemp("logs"), shard=0, shards=1, epoch=1) as s:
+        yield s
+
+
+@settings(max_examples=150, deadline=None)
+@given(head=st.integers(0, 12), tail=st.integers(1, 30), ops=_OPS)
+def test_every_reader_accounts_for_every_byte_with_cuts(
+    shared_store: ShardStore, head: int, tail: int, ops: list[tuple[Any, ...]]
+) -> None:
+    """Against a model (the bytes written, in order): what each of three readers following
+    the log page by page gets, data and ``cut`` chunks, is the written bytes in order with a
+    gap of exactly ``dropped`` bytes at each cut (one cut per gap: never two in a row in one
+    page), and all of it (up to what was written) once a page says ``at_end``. Read from the
+    start at the end, it is the head, one cut of everything dropped, and the kept tail."""
+    logs = shared_store.logs
+    logs.limits = LogLimits(head_bytes=head, tail_bytes=tail)
+    at = next(_RUNS)
+    written = b""
+    readers = [[0, 0] for _ in range(3)]  # cursor, position in what was written
+    for n, op in enumerate(ops):
+        if op[0] == "append":
+            piece = bytes((n + i) % 251 for i in range(op[1]))
+            logs.append(1, at, op[2], piece)
+            written += piece
+            continue
+        reader = readers[op[1]]
+        page = logs.read(1, at, cursor=reader[0], limit=op[2], max_bytes=op[3])
+        after_cut = False
+        for chunk in page.chunks:
+            if chunk.stream == CUT:
+                assert chunk.dropped > 0 and not after_cut
+                reader[1] += chunk.dropped
+            else:
+                assert written[reader[1] : reader[1] + len(chunk.data)] == chunk.data
+                reader[1] += len(chunk.data)
+            after_cut = chunk.stream == CUT
+        reader[0] = page.cursor
+        if page.at_end:
+            assert reader[1] == len(written)
+    everything = read_all(logs, 1, at, limit=1000)
+    rest = written[head:]
+    kept = rest[-tail:] if rest else b""
+    cuts = [c.dropped for c in everything if c.stream == CUT]
+    assert cuts == ([len(rest) - len(kept)] if len(rest) > len(kept) else [])
+    assert b"".join(c.data for c in everything) == written[:head] + kept

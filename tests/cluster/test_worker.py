@@ -1,0 +1,429 @@
+"""The worker agent's side of the protocol: which dispatches it takes (by run id and token, and
+the epoch fence), when it says hello again, and when it fences itself.
+
+Most tests put the real :class:`~cluster.worker.WorkerAgent` (real task processes, real TCP on
+127.0.0.1) against a scripted node: a socket server speaking the wire protocol that answers
+what the test says and pushes the dispatches the test writes, so that a stale epoch or a
+repeated run id can be sent on purpose. The fence test uses a real node process, frozen with
+SIGSTOP right after an acknowledged heartbeat.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from cluster.codec import FrameDecoder, ProtocolError, encode
+from cluster.worker import FENCE_MARGIN_MS, WorkerAgent
+from engine.lease import worker_fence_at
+from engine.routing import shard_of
+from engine.runs import fencing_token
+from tests.cluster.procs import NodeProc
+
+pytestmark = pytest.mark.timeout(90)
+
+Answer = Callable[[str, dict[str, Any]], dict[str, Any] | None]
+
+
+class ScriptedNode:
+    """A node stand-in: records every request, answers ``ok`` (or what ``answer`` returns for
+    an op: a result, or ``{"error": {...}}``; None: no answer at all), and pushes to the
+    newest connection."""
+
+    def __init__(self, *, lease_ms: int = 30_000, shards: int = 2) -> None:
+        self.lease_ms, self.shards = lease_ms, shards
+        self.requests: list[tuple[str, dict[str, Any]]] = []
+        self.answer: Answer | None = None
+        self.stream: trio.SocketStream | None = None
+        self.changed = trio.Event()
+        self.sending = trio.Lock()
+
+    async def send(self, message: dict[str, Any]) -> None:
+        assert self.stream is not None
+        async with self.sending:
+            await self.stream.send_all(encode(message))
+
+    async def serve(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        decoder = FrameDecoder()
+        try:
+            while data := await stream.receive_some(65536):
+                decoder.feed(data)
+                while (msg := decoder.next_event()) is not None:
+                    assert not isinstance(msg, ProtocolError)
+                    op, args = msg["op"], msg.get("args", {})
+                    self.requests.append((op, args))
+                    self.changed.set()
+                    self.changed = trio.Event()
+                    reply = self.reply(op, args)
+                    if reply is not None:
+                        await self.send({"id": msg["id"], **reply})
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+
+    def default(self, op: str) -> dict[str, Any]:
+        """A real node's answer to a worker op that it takes."""
+        if op == "worker.hello":
+            return {"lease_ms": self.lease_ms, "shards": self.shards}
+        if op == "worker.heartbeat":
+            return {"lease_ms": self.lease_ms}
+        return {}
+
+    def reply(self, op: str, args: dict[str, Any]) -> dict[str, Any] | None:
+        result = self.default(op) if self.answer is None else self.answer(op, args)
+        if result is None:
+            return None
+        if "error" in result:
+            return {"ok": False, **result}
+        return {"ok": True, "result": result}
+
+    async def push(self, message: dict[str, Any]) -> None:
+        await self.send(message)
+
+    def ops(self, op: str) -> list[dict[str, Any]]:
+        return [args for o, args in self.requests if o == op]
+
+    def finished(self) -> dict[tuple[str, int], str]:
+        """(run id, token) -> outcome of every final report received."""
+        out = {}
+        for op, args in self.requests:
+            reports = args["reports"] if op == "worker.finished_many" else [args]
+            if op in ("worker.finished", "worker.finished_many"):
+                for r in reports:
+                    out[(r["run_id"], r["token"])] = r["outcome"]
+        return out
+
+    async def until(self, predicate: Callable[[], Any], timeout: float = 20) -> Any:
+        with trio.fail_after(timeout):
+            while not (value := predicate()):
+                with trio.move_on_after(0.05):  # a request, or the worker's state, changed
+                    await self.changed.wait()
+            return value
+
+
+def dispatch(job_id: str, at: int, token: int, shell: str, *, attempt: int = 1) -> dict[str, Any]:
+    return {
+        "push": "dispatch",
+        "run": {
+            "run_id": f"{job_id}@{at}",
+            "job_id": job_id,
+            "scheduled_ms": at,
+            "attempt": attempt,
+            "token": token,
+            "version": 1,
+            "delivery": "at_least_once",
+            "tier": "default",
+            "timeout_ms": None,
+            "on_timeout": "kill",
+            "task": {"shell": shell},
+        },
+    }
+
+
+def with_scripted_node(
+    body: Callable[[ScriptedNode, WorkerAgent], Awaitable[None]],
+    *,
+    lease_ms: int = 30_000,
+    **agent_options: Any,
+) -> None:
+    async def main() -> None:
+        node = ScriptedNode(lease_ms=lease_ms)
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                listeners = await nursery.start(
+                    partial(trio.serve_tcp, node.serve, 0, host="127.0.0.1")
+                )
+                port = listeners[0].socket.getsockname()[1]
+                agent = WorkerAgent("127.0.0.1", port, worker_id="w-test", **agent_options)
+                await nursery.start(agent.run)
+                await body(node, agent)
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_a_newer_attempt_of_a_held_run_supersedes_the_old_one() -> None:
+    t1, t2 = fencing_token(1, 1), fencing_token(2, 1)
+    rid = "job-a@1000"
+    # The first attempt hangs (and ignores SIGTERM); the second ends at once.
+    shell = f'trap "" TERM; if [ "$TICKWHEEL_FENCE" = "{t1}" ]; then sleep 60; fi; echo done'
+
+    async def body(node: ScriptedNode, agent: WorkerAgent) -> None:
+        await node.push(dispatch("job-a", 1000, t1, shell))
+        await node.until(lambda: any(a["token"] == t1 for a in node.ops("worker.started")))
+        # The node handed the run out again (a restart undid the claim): attempt 2, to us.
+        await node.push(dispatch("job-a", 1000, t2, shell, attempt=2))
+        await node.until(lambda: (rid, t2) in node.finished())
+        assert node.finished() == {(rid, t2): "success"}  # the old attempt reports nothing
+        # The old task was killed, not waited for; the new attempt is acknowledged.
+        await node.until(lambda: agent.running == 0 and rid not in agent.held)
+        # A repeat of the same attempt is ignored.
+        await node.push(dispatch("job-a", 1000, t2, shell, attempt=2))
+        await node.push(dispatch("job-b", 1000, t2, "true"))
+        await node.until(lambda: ("job-b@1000", t2) in node.finished())
+        assert list(node.finished()) == [(rid, t2), ("job-b@1000", t2)]
+
+    with_scripted_node(body, kill_grace_s=30.0)
+
+
+def _jobs_on_shards(shards: int) -> tuple[str, str]:
+    """Two job ids on different shards."""
+    first = "job-0"
+    for i in range(1, 100):
+        other = f"job-{i}"
+        if shard_of(other, shards) != shard_of(first, shards):
+            return first, other
+    raise AssertionError("no job id on another shard")
+
+
+def test_a_dispatch_of_an_older_epoch_than_seen_for_its_shard_is_refused() -> None:
+    job, elsewhere = _jobs_on_shards(2)
+
+    async def body(node: ScriptedNode, agent: WorkerAgent) -> None:
+        await node.push(dispatch(job, 1, fencing_token(3, 1), "true"))
+        await node.until(lambda: (f"{job}@1", fencing_token(3, 1)) in node.finished())
+        # A stale owner of the shard (epoch 2) dispatches: refused, never run.
+        await node.push(dispatch(job, 2, fencing_token(2, 9), "true"))
+        # Another shard has its own epochs; the same shard at epoch 3 or later goes on.
+        await node.push(dispatch(elsewhere, 3, fencing_token(1, 1), "true"))
+        await node.push(dispatch(job, 4, fencing_token(4, 1), "true"))
+        await node.until(lambda: len(node.finished()) == 3)
+        assert set(node.finished()) == {
+            (f"{job}@1", fencing_token(3, 1)),
+            (f"{elsewhere}@3", fencing_token(1, 1)),
+            (f"{job}@4", fencing_token(4, 1)),
+        }
+        assert agent.newest_epoch == {shard_of(job, 2): 4, shard_of(elsewhere, 2): 1}
+        held = [args["held"] for args in node.ops("worker.heartbeat")]
+        assert not any(r[0] == f"{job}@2" for h in held for r in h)
+
+    with_scripted_node(body)
+
+
+def test_a_worker_told_not_a_worker_says_hello_again() -> None:
+    async def body(node: ScriptedNode, agent: WorkerAgent) -> None:
+        refused: list[int] = []
+
+        def answer(op: str, args: dict[str, Any]) -> dict[str, Any] | None:
+            if op == "worker.heartbeat" and not refused:
+                refused.append(1)
+                return {"error": {"code": "not_a_worker", "message": "say hello", "field": None}}
+            return node.default(op)
+
+        node.answer = answer
+        await node.until(lambda: refused)
+        await node.until(lambda: len(node.ops("worker.hello")) >= 2, timeout=10)
+
+    with_scripted_node(body, lease_ms=900)  # a heartbeat every 0.3 s
+
+
+def _dead(pid: int) -> bool:
+    """The process is gone or a zombie (killed, not yet reaped)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def test_a_cut_off_worker_kills_its_task_before_its_lease_can_lapse(tmp_path: Path) -> None:
+    """The node freezes right after acknowledging a heartbeat: the task (which ignores
+    SIGTERM, and the kill grace is long) must be dead before that heartbeat's send time plus
+    the lease, when the node could hand the run out again."""
+    lease_ms = 5_000
+    node = NodeProc(tmp_path / "data", tmp_path / "node.log", lease="5s")
+    pid_file = tmp_path / "task.pid"
+
+    async def main() -> None:
+        from cluster.client import Client
+
+        agent = WorkerAgent("127.0.0.1", node.port, worker_id="w-fence", kill_grace_s=30.0)
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(agent.run)
+                async with Client.connect("127.0.0.1", node.port) as client:
+                    await client.create(
+                        {
+                            "id": "fence1",
+                            "schedule": {"at": "2020-01-01T00:00:00Z"},
+                            "task": {
+                                "shell": f"trap '' TERM; echo $$ > {pid_file}; "
+                                "while :; do sleep 0.1; done"
+                            },
+                        }
+                    )
+                while not pid_file.exists() or not pid_file.read_text().strip():
+                    await trio.sleep(0.05)
+                last = agent.acked_sent_ms
+                while agent.acked_sent_ms == last:  # a heartbeat acknowledged just now
+                    await trio.sleep(0.005)
+                acked = agent.acked_sent_ms
+                os.kill(node.proc.pid, signal.SIGSTOP)
+                pid = int(pid_file.read_text())
+                for _ in range(400):  # bounded: 20 s
+                    if _dead(pid):
+                        break
+                    await trio.sleep(0.05)
+                dead_at = time.monotonic_ns() // 1_000_000
+                assert _dead(pid), "the task outlived the fence"
+                assert agent.fenced >= 1
+                # Dead (reaped) before the node's lease could lapse, and not before the fence.
+                assert dead_at < acked + lease_ms
+                assert dead_at >= worker_fence_at(acked, lease_ms, FENCE_MARGIN_MS)
+                nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+    finally:
+        os.kill(node.proc.pid, signal.SIGCONT)
+        node.kill()
+
+
+def _in_process_node(tmp_path: Path) -> Any:
+    from cluster.node import Node
+    from engine.shard import EngineConfig
+
+    return Node(
+        tmp_path / "data",
+        shards=2,
+        config=EngineConfig(worker_lease_ms=5000, reattach_grace_ms=10_000),
+    )
+
+
+def test_output_whose_answer_was_lost_is_not_stored_twice(tmp_path: Path) -> None:
+    """A proxy between worker and node passes the first ``worker.output`` on, then cuts the
+    connection before its answer comes back: the worker sends the chunk again after the
+    reconnect, and the node keeps it once."""
+    from cluster.client import Client, RemoteError
+
+    cut = trio.Event()
+
+    async def proxy(node_port: int, down: trio.SocketStream) -> None:
+        up = await trio.open_tcp_stream("127.0.0.1", node_port)
+        hold = trio.Event()  # this connection's answers stop here
+
+        async def to_worker() -> None:
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                while data := await up.receive_some(65536):
+                    if hold.is_set():
+                        return  # the answer to the output never reaches the worker
+                    await down.send_all(data)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(to_worker)
+            buf = b""
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                while data := await down.receive_some(65536):
+                    buf += data
+                    while len(buf) >= 4 and len(buf) >= 4 + int.from_bytes(buf[:4], "big"):
+                        size = 4 + int.from_bytes(buf[:4], "big")
+                        frame, buf = buf[:size], buf[size:]
+                        await up.send_all(frame)
+                        decoder = FrameDecoder()
+                        decoder.feed(frame)
+                        msg = decoder.next_event()
+                        if isinstance(msg, dict) and msg.get("op") == "worker.output":
+                            if not cut.is_set():
+                                cut.set()
+                                hold.set()
+                                await trio.sleep(0.3)  # the node appends and answers
+                                await down.aclose()
+                                await up.aclose()
+                                nursery.cancel_scope.cancel()
+                                return
+            nursery.cancel_scope.cancel()
+
+    async def main() -> None:
+        node = _in_process_node(tmp_path)
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                node_port = await nursery.start(node.run)
+                listeners = await nursery.start(
+                    partial(trio.serve_tcp, partial(proxy, node_port), 0, host="127.0.0.1")
+                )
+                proxy_port = listeners[0].socket.getsockname()[1]
+                agent = WorkerAgent("127.0.0.1", proxy_port, worker_id="w-dup")
+                await nursery.start(agent.run)
+                async with Client.connect("127.0.0.1", node_port) as client:
+                    await client.create(
+                        {
+                            "id": "dup1",
+                            "schedule": {"at": "2020-01-01T00:00:00Z"},
+                            "task": {"shell": "echo first-line; sleep 1; echo second-line"},
+                        }
+                    )
+                    rid = "dup1@1577836800000"
+                    run: dict[str, Any] = {}
+                    for _ in range(300):  # bounded: 30 s
+                        with contextlib.suppress(RemoteError):  # not fired yet
+                            run = await client.run(rid)
+                        if run.get("state") in ("SUCCESS", "FAILED"):
+                            break
+                        await trio.sleep(0.1)
+                    assert run["state"] == "SUCCESS"
+                    assert cut.is_set()
+                    page = await client.logs(rid)
+                text = b"".join(c["data"] for c in page["chunks"])
+                assert text == b"first-line\nsecond-line\n"
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_output_for_a_run_that_does_not_exist_is_refused(tmp_path: Path) -> None:
+    from cluster.client import Client, RemoteError
+
+    async def main() -> None:
+        node = _in_process_node(tmp_path)
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                port = await nursery.start(node.run)
+                async with Client.connect("127.0.0.1", port) as client:
+                    await client.create(
+                        {"id": "real", "schedule": {"every": "1h"}, "task": {"shell": "true"}}
+                    )
+                    await client.request(
+                        "worker.hello", {"worker_id": "w", "tiers": ["none"], "slots": 0}
+                    )
+                    for rid in ("real@1000", "nosuch@1000"):
+                        with pytest.raises(RemoteError) as refused:
+                            await client.request(
+                                "worker.output",
+                                {"run_id": rid, "token": 1, "stream": "stdout", "data": b"x"},
+                            )
+                        assert (refused.value.code, refused.value.field) == ("not_found", "run_id")
+                    page = await client.request("run.logs", {"run_id": "real@1000"})
+                    assert page["chunks"] == []
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_output_goes_without_offsets_to_a_node_that_refuses_them() -> None:
+    """A node from before output offsets answers ``bad_args`` (field ``offset``): the chunk
+    goes again without it, and so do the later ones."""
+
+    async def body(node: ScriptedNode, agent: WorkerAgent) -> None:
+        def answer(op: str, args: dict[str, Any]) -> dict[str, Any] | None:
+            if op == "worker.output" and "offset" in args:
+                message = "offset: unknown argument 'offset' for worker.output"
+                return {"error": {"code": "bad_args", "message": message, "field": "offset"}}
+            return node.default(op)
+
+        node.answer = answer
+        await node.push(dispatch("job-o", 1, fencing_token(1, 1), "echo one; sleep 0.2; echo two"))
+        await node.until(lambda: ("job-o@1", fencing_token(1, 1)) in node.finished())
+        stored = [a["data"] for a in node.ops("worker.output") if "offset" not in a]
+        assert b"".join(stored) == b"one\ntwo\n"
+        assert not agent.output_offsets
+
+    with_scripted_node(body)
