@@ -41,6 +41,7 @@ from engine.effects import RunTicket
 from engine.lease import EpochFence, worker_fence_at
 from engine.routing import shard_of
 from engine.runs import token_epoch
+from wal.errors import StoreError
 
 log = logging.getLogger("tickwheel.worker")
 
@@ -653,6 +654,12 @@ class WorkerAgent:
                 if exc.code == "not_a_worker":  # the node restarted and forgot us: hello first
                     await self._hello()
                     continue
+                if exc.code in NOT_TAKEN_CODES:
+                    # Not taken (a failed shard): a final report kept, then sent again until
+                    # a node has it durable, the node restarted.
+                    log.warning("%s not taken: %s; retrying", op, exc)
+                    await trio.sleep(NOT_TAKEN_RETRY_S)
+                    continue
                 if exc.field == "offset" and "offset" in args:
                     # A node from before output offsets: this chunk and the rest go without
                     # (a resend may then be stored twice, as before).
@@ -666,6 +673,19 @@ class WorkerAgent:
             except ClientError as exc:
                 log.warning("%s: %s; retrying", op, exc)
                 await trio.sleep(0.5)
+
+
+def _store_codes(cls: type[StoreError] = StoreError) -> frozenset[str]:
+    codes = {cls.code}
+    for sub in cls.__subclasses__():
+        codes |= _store_codes(sub)
+    return frozenset(codes)
+
+
+#: Answers that say a report was *not* taken: the shard's store failed, or the shard stopped
+#: (``shard_failed``). The report is kept and sent again: the node answers it once restarted.
+NOT_TAKEN_CODES: frozenset[str] = _store_codes() | {"shard_failed"}
+NOT_TAKEN_RETRY_S = 1.0
 
 
 def _mono_ms() -> int:

@@ -443,3 +443,46 @@ def test_a_final_report_is_answered_only_once_it_is_durable(
             nursery.cancel_scope.cancel()
 
     run_with_node(tmp_path, body)
+
+
+def test_a_final_report_a_failed_shard_did_not_take_is_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store failure while the report's batch is written: the node answers with the store's
+    code, and the worker keeps the report (to send again to the restarted node) instead of
+    treating the answer as final."""
+    from wal.errors import StoreIOError
+    from wal.store import ShardStore
+
+    write_prepared = ShardStore.write_prepared
+    failed: list[bool] = []
+
+    def failing_success_write(self: ShardStore, prepared: Any) -> list[int]:
+        if any(b"\xa7SUCCESS" in p.log_value for p in prepared):
+            failed.append(True)
+            raise StoreIOError("injected: the disk went away", path=self.path)
+        return write_prepared(self, prepared)
+
+    monkeypatch.setattr(ShardStore, "write_prepared", failing_success_write)
+    acked: list[str] = []
+
+    class Agent(WorkerAgent):
+        def acknowledged(self, rid: str) -> None:
+            acked.append(rid)
+
+    async def handler(ticket: RunTicket, out: Callable[[str, bytes], Awaitable[None]]) -> int:
+        return 0
+
+    async def body(client: Client, port: int) -> None:
+        agent = Agent("127.0.0.1", port, worker_id="w-kept", payload_handler=handler)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(agent.run)
+            await client.create({"id": "kept-1", "schedule": soon(0.2), "task": {"payload": {}}})
+            while not failed:
+                await trio.sleep(0.02)
+            await trio.sleep(2.5)  # the answers (store_io, then shard_failed) came meanwhile
+            assert acked == []
+            assert any(rid.startswith("kept-1@") for rid in agent.held)
+            nursery.cancel_scope.cancel()
+
+    run_with_node(tmp_path, body)
