@@ -30,7 +30,8 @@ import trio
 
 from cluster.codec import DEFAULT_MAX_FRAME, FrameDecoder, Message, ProtocolError, encode
 from cluster.rawio import Outbox, RawSocketIO
-from engine.jobs import new_job_id
+from engine.errors import EngineUsageError
+from engine.jobs import new_job_id, validate_job
 
 DEFAULT_TIMEOUT_S = 30.0
 #: set while the reconnect hook runs: its requests go out before anyone else's
@@ -70,6 +71,28 @@ def _outcome(reply: Message) -> Any | ClientError:
         return reply.get("result")
     err = reply.get("error") or {}
     return RemoteError(str(err.get("code", "error")), str(err.get("message", "")), err.get("field"))
+
+
+def same_spec(sent: dict[str, Any], stored: dict[str, Any]) -> bool:
+    """Whether ``stored`` (a job's stored, normalized spec, as ``job.get`` returns it) is the
+    job ``sent`` (a spec as given to ``job.create``) creates: both normalized by the engine's
+    own validation and compared by value. An ``every`` schedule sent without ``start`` takes
+    the stored one (the node fills in its creation time). False when either does not
+    validate."""
+    schedule = sent.get("schedule")
+    stored_schedule = stored.get("schedule")
+    if (
+        isinstance(schedule, dict)
+        and "every" in schedule
+        and "start" not in schedule
+        and isinstance(stored_schedule, dict)
+        and "start" in stored_schedule
+    ):
+        sent = {**sent, "schedule": {**schedule, "start": stored_schedule["start"]}}
+    try:
+        return validate_job(sent, now_ms=0) == validate_job(stored, now_ms=0)
+    except EngineUsageError:
+        return False
 
 
 def parse_address(text: str) -> tuple[str, int]:
@@ -253,20 +276,27 @@ class Client:
     # ------------------------------------------------------------------ requests
 
     async def request(
-        self, op: str, args: dict[str, Any] | None = None, *, timeout_s: float | None = None
+        self,
+        op: str,
+        args: dict[str, Any] | None = None,
+        *,
+        timeout_s: float | None = None,
+        sent_on: list[int] | None = None,
     ) -> Any:
         """Send ``op`` and wait for its result.
 
         A broken connection is retried (after the reconnect) until the timeout: every op of
         the protocol is safe to repeat (creates carry their id; a repeated create that finds
-        its job is reported by :meth:`create` as the job). Raises :class:`RemoteError`,
-        :class:`RequestTimeout`, :class:`ConnectionLost`.
+        its job is reported by :meth:`create` as the job). ``sent_on``, when given, gets the
+        :attr:`generation` of each connection the request was written to: more than one
+        entry means an earlier attempt may have reached the node before its connection broke.
+        Raises :class:`RemoteError`, :class:`RequestTimeout`, :class:`ConnectionLost`.
         """
         deadline = trio.current_time() + (timeout_s or self.timeout_s)
         while True:
             try:
                 with trio.fail_at(deadline):
-                    return await self._request_once(op, args or {})
+                    return await self._request_once(op, args or {}, sent_on)
             except trio.TooSlowError:
                 raise RequestTimeout(
                     f"{op}: no reply within {timeout_s or self.timeout_s} s"
@@ -334,13 +364,17 @@ class Client:
         outbox.put(frame)
         return True
 
-    async def _request_once(self, op: str, args: dict[str, Any]) -> Any:
+    async def _request_once(
+        self, op: str, args: dict[str, Any], sent_on: list[int] | None = None
+    ) -> Any:
         if not _handshake.get() and not self._connected.is_set():
             await self._connected.wait()
         outbox = self._outbox
         if outbox is None:
             raise ConnectionLost("not connected")
         request_id, frame = self._frame(op, args)
+        if sent_on is not None:
+            sent_on.append(self.generation)  # (no wait since outbox was read: its connection)
         event, box = trio.Event(), list[Message]()
         waiting = self._waiting
         waiting[request_id] = (event, box)
@@ -369,15 +403,33 @@ class Client:
 
     async def create(self, spec: dict[str, Any]) -> dict[str, Any]:
         """Create a job. Without an ``id``, one is generated here (time-sortable), so that a
-        retry after a lost reply cannot create the job twice."""
+        retry after a lost reply cannot create the job twice.
+
+        ``exists`` is an error, with one exception: when this very request was retried on a
+        new connection (an earlier attempt was written to a connection that broke before its
+        reply) and the stored job is the spec sent, the earlier attempt created it, and the
+        job is returned as the create's result. Any other ``exists`` (another client's job,
+        a job of another spec, or a connection re-made before this request was sent) raises
+        :class:`RemoteError` ``exists``.
+        """
         if "id" not in spec:
             spec = {**spec, "id": new_job_id(int(time.time() * 1000), os.urandom(10))}
+        sent_on: list[int] = []
         try:
-            result: dict[str, Any] = await self.request("job.create", {"spec": spec})
+            result: dict[str, Any] = await self.request(
+                "job.create", {"spec": spec}, sent_on=sent_on
+            )
         except RemoteError as exc:
-            if exc.code == "exists" and self.generation > 1:
-                return await self.get(spec["id"])  # our own create, whose reply was lost
-            raise
+            if exc.code != "exists" or len(sent_on) < 2:
+                raise
+            try:
+                job = await self.get(spec["id"])
+            except ClientError:
+                raise exc from None
+            stored = job.pop("spec", None)
+            if not isinstance(stored, dict) or not same_spec(spec, stored):
+                raise
+            return job  # our own create, whose reply was lost with its connection
         return result
 
     async def create_many(self, specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
