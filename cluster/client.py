@@ -34,6 +34,8 @@ from engine.errors import EngineUsageError
 from engine.jobs import new_job_id, validate_job
 
 DEFAULT_TIMEOUT_S = 30.0
+#: run states after which a run changes no more (docs/protocol.md, section 8)
+FINAL_STATES = frozenset({"SUCCESS", "FAILED", "TIMED_OUT", "LOST", "SKIPPED", "CANCELLED"})
 #: set while the reconnect hook runs: its requests go out before anyone else's
 _handshake: ContextVar[bool] = ContextVar("tickwheel_handshake", default=False)
 
@@ -412,7 +414,7 @@ class Client:
         a job of another spec, or a connection re-made before this request was sent) raises
         :class:`RemoteError` ``exists``.
         """
-        if "id" not in spec:
+        if isinstance(spec, dict) and "id" not in spec:  # (not a map: the node refuses it)
             spec = {**spec, "id": new_job_id(int(time.time() * 1000), os.urandom(10))}
         sent_on: list[int] = []
         try:
@@ -433,9 +435,15 @@ class Client:
         return result
 
     async def create_many(self, specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Create jobs in one request; per spec ``{"ok", "result"}`` or ``{"ok", "error"}``."""
+        """Create jobs in one request; per spec ``{"ok", "result"}`` or ``{"ok", "error"}``
+        (an entry that is not a map is sent as it is: the node answers ``bad_args`` for it)."""
         now = int(time.time() * 1000)
-        specs = [s if "id" in s else {**s, "id": new_job_id(now, os.urandom(10))} for s in specs]
+        specs = [
+            {**s, "id": new_job_id(now, os.urandom(10))}
+            if isinstance(s, dict) and "id" not in s
+            else s
+            for s in specs
+        ]
         result = await self.request("job.create_many", {"specs": specs})
         return list(result["results"])
 
@@ -511,15 +519,20 @@ class Client:
         self, run_id: str, *, poll_s: float = 0.2
     ) -> AsyncIterator[dict[str, Any]]:
         """Every chunk of a run's output as it arrives, until the run is final and all its
-        output has been read."""
+        output has been read. Raises :class:`RemoteError` ``not_found`` for a run that does
+        not exist (or stops existing: retention), whatever the node's version: a page with no
+        state (a node before ``run.logs`` refused such runs itself) is checked with
+        ``run.get``, so that a follower never waits for a run that will never end."""
         offset = 0
-        final = {"SUCCESS", "FAILED", "TIMED_OUT", "LOST", "SKIPPED", "CANCELLED"}
         while True:
             page = await self.logs(run_id, offset=offset)
             for chunk in page["chunks"]:
                 yield chunk
             offset = page["cursor"]
             if page["at_end"]:
-                if page["state"] in final:
+                state = page["state"]
+                if state is None:
+                    state = (await self.run(run_id))["state"]  # not_found raises
+                if state in FINAL_STATES:
                     return
                 await trio.sleep(poll_s)
