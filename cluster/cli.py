@@ -123,8 +123,66 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: options whose value may start with ``-`` and a digit (a negative duration): argparse takes
+#: such a value for an option and says "expected one argument"; given as ``--every=-5s`` it
+#: reaches the typed validation, which names the problem
+DASH_VALUE_OPTIONS: frozenset[str] = frozenset(
+    {"--every", "--in", "--timeout", "--worker-lease", "--at", "--port", "--count", "--last"}
+)
+
+
+def join_dash_values(argv: Sequence[str]) -> list[str]:
+    """``["--every", "-5s"]`` -> ``["--every=-5s"]`` for the options of
+    :data:`DASH_VALUE_OPTIONS`, when the value is ``-`` then a digit (never an option name)."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        following = argv[i + 1] if i + 1 < len(argv) else ""
+        if token in DASH_VALUE_OPTIONS and following[:1] == "-" and following[1:2].isdigit():
+            out.append(f"{token}={following}")
+            i += 2
+            continue
+        out.append(token)
+        i += 1
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run ``tickwheel``; returns the exit status. Output cut short by a reader that went
+    away (``tickwheel logs RUN | head``) ends the command quietly with status 1 (as rich
+    does for its tables, and as the Python documentation's note on SIGPIPE suggests), not
+    with a BrokenPipeError traceback."""
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        _quiet_stdout()
+        return 1
+    except BaseExceptionGroup as group:
+        if all(isinstance(e, BrokenPipeError) for e in _leaves(group)):
+            _quiet_stdout()
+            return 1
+        raise
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for inner in exc.exceptions for leaf in _leaves(inner)]
+    return [exc]
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null: the interpreter flushes it at exit, and a flush into the
+    closed pipe would print another BrokenPipeError."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    args = build_parser().parse_args(join_dash_values(sys.argv[1:] if argv is None else argv))
     if args.command == "bench":
         from bench.common import emit
 

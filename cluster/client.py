@@ -30,9 +30,12 @@ import trio
 
 from cluster.codec import DEFAULT_MAX_FRAME, FrameDecoder, Message, ProtocolError, encode
 from cluster.rawio import Outbox, RawSocketIO
-from engine.jobs import new_job_id
+from engine.errors import EngineUsageError
+from engine.jobs import new_job_id, validate_job
 
 DEFAULT_TIMEOUT_S = 30.0
+#: run states after which a run changes no more (docs/protocol.md, section 8)
+FINAL_STATES = frozenset({"SUCCESS", "FAILED", "TIMED_OUT", "LOST", "SKIPPED", "CANCELLED"})
 #: set while the reconnect hook runs: its requests go out before anyone else's
 _handshake: ContextVar[bool] = ContextVar("tickwheel_handshake", default=False)
 
@@ -70,6 +73,28 @@ def _outcome(reply: Message) -> Any | ClientError:
         return reply.get("result")
     err = reply.get("error") or {}
     return RemoteError(str(err.get("code", "error")), str(err.get("message", "")), err.get("field"))
+
+
+def same_spec(sent: dict[str, Any], stored: dict[str, Any]) -> bool:
+    """Whether ``stored`` (a job's stored, normalized spec, as ``job.get`` returns it) is the
+    job ``sent`` (a spec as given to ``job.create``) creates: both normalized by the engine's
+    own validation and compared by value. An ``every`` schedule sent without ``start`` takes
+    the stored one (the node fills in its creation time). False when either does not
+    validate."""
+    schedule = sent.get("schedule")
+    stored_schedule = stored.get("schedule")
+    if (
+        isinstance(schedule, dict)
+        and "every" in schedule
+        and "start" not in schedule
+        and isinstance(stored_schedule, dict)
+        and "start" in stored_schedule
+    ):
+        sent = {**sent, "schedule": {**schedule, "start": stored_schedule["start"]}}
+    try:
+        return validate_job(sent, now_ms=0) == validate_job(stored, now_ms=0)
+    except EngineUsageError:
+        return False
 
 
 def parse_address(text: str) -> tuple[str, int]:
@@ -253,20 +278,27 @@ class Client:
     # ------------------------------------------------------------------ requests
 
     async def request(
-        self, op: str, args: dict[str, Any] | None = None, *, timeout_s: float | None = None
+        self,
+        op: str,
+        args: dict[str, Any] | None = None,
+        *,
+        timeout_s: float | None = None,
+        sent_on: list[int] | None = None,
     ) -> Any:
         """Send ``op`` and wait for its result.
 
         A broken connection is retried (after the reconnect) until the timeout: every op of
         the protocol is safe to repeat (creates carry their id; a repeated create that finds
-        its job is reported by :meth:`create` as the job). Raises :class:`RemoteError`,
-        :class:`RequestTimeout`, :class:`ConnectionLost`.
+        its job is reported by :meth:`create` as the job). ``sent_on``, when given, gets the
+        :attr:`generation` of each connection the request was written to: more than one
+        entry means an earlier attempt may have reached the node before its connection broke.
+        Raises :class:`RemoteError`, :class:`RequestTimeout`, :class:`ConnectionLost`.
         """
         deadline = trio.current_time() + (timeout_s or self.timeout_s)
         while True:
             try:
                 with trio.fail_at(deadline):
-                    return await self._request_once(op, args or {})
+                    return await self._request_once(op, args or {}, sent_on)
             except trio.TooSlowError:
                 raise RequestTimeout(
                     f"{op}: no reply within {timeout_s or self.timeout_s} s"
@@ -334,13 +366,17 @@ class Client:
         outbox.put(frame)
         return True
 
-    async def _request_once(self, op: str, args: dict[str, Any]) -> Any:
+    async def _request_once(
+        self, op: str, args: dict[str, Any], sent_on: list[int] | None = None
+    ) -> Any:
         if not _handshake.get() and not self._connected.is_set():
             await self._connected.wait()
         outbox = self._outbox
         if outbox is None:
             raise ConnectionLost("not connected")
         request_id, frame = self._frame(op, args)
+        if sent_on is not None:
+            sent_on.append(self.generation)  # (no wait since outbox was read: its connection)
         event, box = trio.Event(), list[Message]()
         waiting = self._waiting
         waiting[request_id] = (event, box)
@@ -369,21 +405,45 @@ class Client:
 
     async def create(self, spec: dict[str, Any]) -> dict[str, Any]:
         """Create a job. Without an ``id``, one is generated here (time-sortable), so that a
-        retry after a lost reply cannot create the job twice."""
-        if "id" not in spec:
+        retry after a lost reply cannot create the job twice.
+
+        ``exists`` is an error, with one exception: when this very request was retried on a
+        new connection (an earlier attempt was written to a connection that broke before its
+        reply) and the stored job is the spec sent, the earlier attempt created it, and the
+        job is returned as the create's result. Any other ``exists`` (another client's job,
+        a job of another spec, or a connection re-made before this request was sent) raises
+        :class:`RemoteError` ``exists``.
+        """
+        if isinstance(spec, dict) and "id" not in spec:  # (not a map: the node refuses it)
             spec = {**spec, "id": new_job_id(int(time.time() * 1000), os.urandom(10))}
+        sent_on: list[int] = []
         try:
-            result: dict[str, Any] = await self.request("job.create", {"spec": spec})
+            result: dict[str, Any] = await self.request(
+                "job.create", {"spec": spec}, sent_on=sent_on
+            )
         except RemoteError as exc:
-            if exc.code == "exists" and self.generation > 1:
-                return await self.get(spec["id"])  # our own create, whose reply was lost
-            raise
+            if exc.code != "exists" or len(sent_on) < 2:
+                raise
+            try:
+                job = await self.get(spec["id"])
+            except ClientError:
+                raise exc from None
+            stored = job.pop("spec", None)
+            if not isinstance(stored, dict) or not same_spec(spec, stored):
+                raise
+            return job  # our own create, whose reply was lost with its connection
         return result
 
     async def create_many(self, specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Create jobs in one request; per spec ``{"ok", "result"}`` or ``{"ok", "error"}``."""
+        """Create jobs in one request; per spec ``{"ok", "result"}`` or ``{"ok", "error"}``
+        (an entry that is not a map is sent as it is: the node answers ``bad_args`` for it)."""
         now = int(time.time() * 1000)
-        specs = [s if "id" in s else {**s, "id": new_job_id(now, os.urandom(10))} for s in specs]
+        specs = [
+            {**s, "id": new_job_id(now, os.urandom(10))}
+            if isinstance(s, dict) and "id" not in s
+            else s
+            for s in specs
+        ]
         result = await self.request("job.create_many", {"specs": specs})
         return list(result["results"])
 
@@ -459,15 +519,20 @@ class Client:
         self, run_id: str, *, poll_s: float = 0.2
     ) -> AsyncIterator[dict[str, Any]]:
         """Every chunk of a run's output as it arrives, until the run is final and all its
-        output has been read."""
+        output has been read. Raises :class:`RemoteError` ``not_found`` for a run that does
+        not exist (or stops existing: retention), whatever the node's version: a page with no
+        state (a node before ``run.logs`` refused such runs itself) is checked with
+        ``run.get``, so that a follower never waits for a run that will never end."""
         offset = 0
-        final = {"SUCCESS", "FAILED", "TIMED_OUT", "LOST", "SKIPPED", "CANCELLED"}
         while True:
             page = await self.logs(run_id, offset=offset)
             for chunk in page["chunks"]:
                 yield chunk
             offset = page["cursor"]
             if page["at_end"]:
-                if page["state"] in final:
+                state = page["state"]
+                if state is None:
+                    state = (await self.run(run_id))["state"]  # not_found raises
+                if state in FINAL_STATES:
                     return
                 await trio.sleep(poll_s)

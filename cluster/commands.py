@@ -8,8 +8,10 @@ never decide anything a node decides; a command is a request and a rendering.
 from __future__ import annotations
 
 import argparse
+import codecs
 import json
 import logging
+import os
 import shlex
 import sys
 from collections.abc import Awaitable, Callable
@@ -19,20 +21,41 @@ import trio
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from cluster.client import Client, ClientError, RemoteError, parse_address
 
 # Wide when piped, so that run ids are never cut in a log or a demo transcript.
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
-err_console = Console(stderr=True, highlight=False)
+# Errors are one line each, never wrapped: a script (or a test) reads them whole.
+err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 # =============================================================================== arguments
 
 
+class UsageError(ClientError):
+    """The command line itself is wrong (options that do not go together, a value that does
+    not parse): exit status 2, as argparse's own usage errors."""
+
+
 def spec_from_args(args: argparse.Namespace, *, update: bool) -> dict[str, Any]:
     """The (partial, for an update) job spec the options describe."""
     spec: dict[str, Any] = {}
+    if args.tz is not None and args.cron is None:
+        # A zone means something to a cron rule only: an --at instant carries its own offset,
+        # --every and --in are durations. Refused rather than silently dropped.
+        if args.at is not None or args.every is not None or args.in_ is not None:
+            raise UsageError(
+                "--tz applies to --cron only (an --at instant carries its own offset, as in "
+                "2030-01-01T09:00:00+01:00; --every and --in are durations)"
+            )
+        if update:
+            raise UsageError(
+                "--tz goes with --cron: give the expression again with the new zone, as in "
+                "job update ID --cron 'EXPR' --tz ZONE (job get ID shows the current one)"
+            )
+        raise UsageError("--tz goes with --cron")
     if args.cron is not None:
         spec["schedule"] = {"cron": args.cron, **({"tz": args.tz} if args.tz else {})}
     elif args.at is not None:
@@ -46,15 +69,13 @@ def spec_from_args(args: argparse.Namespace, *, update: bool) -> dict[str, Any]:
         try:
             delay = parse_duration(args.in_, field="--in")
         except EngineUsageError as exc:
-            raise ClientError(f"--in: {exc}") from None
+            raise UsageError(f"--in: {exc}") from None
         spec["schedule"] = {"at": format_utc(_now_ms() + delay)}
-    elif args.tz is not None:
-        raise ClientError("--tz goes with --cron")
     if args.command_line is not None:
         try:
             argv = shlex.split(args.command_line)
         except ValueError as exc:
-            raise ClientError(f"--command: {exc}") from None
+            raise UsageError(f"--command: {exc}") from None
         spec["task"] = {"command": argv}
     elif args.shell is not None:
         spec["task"] = {"shell": args.shell}
@@ -62,7 +83,7 @@ def spec_from_args(args: argparse.Namespace, *, update: bool) -> dict[str, Any]:
         try:
             spec["task"] = {"payload": json.loads(args.payload)}
         except json.JSONDecodeError as exc:
-            raise ClientError(f"--payload is not JSON: {exc}") from None
+            raise UsageError(f"--payload is not JSON: {exc}") from None
     for option, key in (("timeout", "timeout"), ("on_timeout", "on_timeout"), ("tier", "tier")):
         value = getattr(args, option)
         if value is not None:
@@ -71,9 +92,9 @@ def spec_from_args(args: argparse.Namespace, *, update: bool) -> dict[str, Any]:
         spec["delivery"] = args.delivery.replace("-", "_")
     if not update:
         if "schedule" not in spec:
-            raise ClientError("give a schedule: --cron, --at, --every or --in")
+            raise UsageError("give a schedule: --cron, --at, --every or --in")
         if "task" not in spec:
-            raise ClientError("give a task: --command, --shell or --payload")
+            raise UsageError("give a task: --command, --shell or --payload")
     return spec
 
 
@@ -100,11 +121,14 @@ def _json_default(value: object) -> object:
 
 
 def _table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
-    table = Table(title=title, title_justify="left")
+    """Print a table. Every cell and the title are plain text, never rich markup: they hold
+    what users wrote (a task's shell line, labels, a worker id), and ``[/x]`` in a spec must
+    neither crash the command (MarkupError) nor vanish (``[bold]``)."""
+    table = Table(title=Text(title), title_justify="left")
     for column in columns:
         table.add_column(column)
     for row in rows:
-        table.add_row(*("" if v is None else str(v) for v in row))
+        table.add_row(*(Text("" if v is None else str(v)) for v in row))
     console.print(table)
 
 
@@ -147,6 +171,8 @@ def run_client_command(args: argparse.Namespace) -> int:
     handler = CLIENT_COMMANDS[args.command]
     try:
         return trio.run(_with_client, args, lambda c: handler(c, args))
+    except KeyboardInterrupt:
+        return 130  # ^C: the usual way to stop ``logs --follow``; no traceback
     except RemoteError as exc:
         if args.json:
             print(
@@ -159,7 +185,7 @@ def run_client_command(args: argparse.Namespace) -> int:
         return 1
     except ClientError as exc:
         err_console.print(f"[red]error[/red] {escape(str(exc))}")
-        return 2 if not isinstance(exc, RemoteError) and "give" in str(exc) else 1
+        return 2 if isinstance(exc, UsageError) else 1
 
 
 async def cmd_submit(client: Client, args: argparse.Namespace) -> int:
@@ -169,23 +195,53 @@ async def cmd_submit(client: Client, args: argparse.Namespace) -> int:
     if args.id is not None:
         spec["id"] = args.id
     job = await client.create(spec)
-    emit(args, job, lambda j: console.print(f"{j['job_id']}  next fire {j['next_fire'] or '-'}"))
+    emit(
+        args,
+        job,
+        lambda j: console.print(escape(f"{j['job_id']}  next fire {j['next_fire'] or '-'}")),
+    )
     return 0
 
 
+def read_spec_file(path: str) -> list[tuple[int, dict[str, Any]]]:
+    """The job specs of a JSON-lines file, each with its line number (blank lines count as
+    lines, and are skipped). Raises :class:`ClientError` naming the file, and the line where
+    there is one, for a file that cannot be read (missing, a directory, no permission), a line
+    that is not UTF-8, not JSON, or not a JSON object."""
+    try:
+        with open(path, "rb") as f:
+            raw_lines = f.read().splitlines()
+    except OSError as exc:
+        raise ClientError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    specs: list[tuple[int, dict[str, Any]]] = []
+    for number, raw in enumerate(raw_lines, 1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ClientError(f"{path}:{number}: not UTF-8 (byte {exc.start + 1})") from None
+        if not line.strip():
+            continue
+        try:
+            spec = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ClientError(f"{path}:{number}: not JSON: {exc}") from None
+        if not isinstance(spec, dict):
+            kind = {list: "a list", str: "a string", bool: "a boolean"}.get(type(spec), "")
+            raise ClientError(
+                f"{path}:{number}: a job spec is a JSON object, got "
+                f"{kind or ('null' if spec is None else 'a number')}"
+            )
+        specs.append((number, spec))
+    return specs
+
+
 async def _submit_file(client: Client, args: argparse.Namespace) -> int:
-    specs: list[dict[str, Any]] = []
-    with open(args.file) as f:
-        for number, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    specs.append(json.loads(line))
-                except json.JSONDecodeError as exc:
-                    raise ClientError(f"{args.file}:{number}: not JSON: {exc}") from None
+    numbered = read_spec_file(args.file)
+    specs = [spec for _number, spec in numbered]
     ids: list[str | None] = []
     failed = 0
     batch = 1000
-    results: list[dict[str, Any]] = [{}] * 0
+    results: list[dict[str, Any]] = []
 
     async def send(chunk: list[dict[str, Any]], into: list[list[dict[str, Any]]], i: int) -> None:
         into[i] = await client.create_many(chunk)
@@ -197,14 +253,17 @@ async def _submit_file(client: Client, args: argparse.Namespace) -> int:
             nursery.start_soon(send, chunk, out, i)
     for chunk_results in out:
         results.extend(chunk_results)
-    for number, r in enumerate(results, 1):
+    for (number, _spec), r in zip(numbered, results, strict=True):
         if r.get("ok"):
             ids.append(r["result"]["job_id"])
         else:
             failed += 1
             ids.append(None)
             e = r.get("error", {})
-            err_console.print(escape(f"line {number}: {e.get('code')}: {e.get('message')}"))
+            err_console.print(
+                escape(f"{args.file}:{number}: {e.get('code')}: {e.get('message')}"),
+                highlight=False,
+            )
     emit(args, ids, lambda v: console.print(f"{len(v) - failed} jobs created, {failed} refused"))
     return 1 if failed else 0
 
@@ -275,29 +334,82 @@ async def cmd_run(client: Client, args: argparse.Namespace) -> int:
 
 
 async def cmd_logs(client: Client, args: argparse.Namespace) -> int:
+    printer = LogPrinter(as_json=args.json)
     if args.follow:
         async for chunk in client.follow_logs(args.run_id):
-            _print_chunk(args, chunk)
+            printer.chunk(chunk)
+        printer.close()
         return 0
     offset = 0
     while True:
         page = await client.logs(args.run_id, offset=offset)
         for chunk in page["chunks"]:
-            _print_chunk(args, chunk)
+            printer.chunk(chunk)
         offset = page["cursor"]
         if page["at_end"]:
+            printer.close()
             return 0
 
 
-def _print_chunk(args: argparse.Namespace, chunk: dict[str, Any]) -> None:
-    if args.json:
-        print(json.dumps(chunk, default=_json_default))
-    elif chunk["stream"] == "cut":
-        sys.stdout.write(f"\n[... {chunk['dropped']} bytes cut ...]\n")
-    else:
-        target = sys.stdout if chunk["stream"] == "stdout" else sys.stderr
-        target.write(chunk["data"].decode("utf-8", "replace"))
+class LogPrinter:
+    """Prints a run's output chunks: stdout's to stdout, stderr's to stderr, as text.
+
+    A chunk ends wherever the worker's read ended, often inside a multi-byte UTF-8
+    character; each stream is therefore decoded incrementally, a character split between
+    chunks printed whole with the later one. Only bytes that are really invalid UTF-8 become
+    U+FFFD: a partial character at the end of an attempt's output, at a ``cut`` (bytes were
+    dropped there) or at the end of the output, and invalid sequences. With ``as_json`` one
+    JSON object per chunk, its ``data`` the text decoded the same way (so the ``data`` of a
+    stream's chunks, joined, is its text).
+    """
+
+    def __init__(self, *, as_json: bool) -> None:
+        self.as_json = as_json
+        self.decoders = {
+            stream: codecs.getincrementaldecoder("utf-8")(errors="replace")
+            for stream in ("stdout", "stderr")
+        }
+        self.attempt: int | None = None
+
+    def _flush(self) -> None:
+        """End every stream's text here: what a decoder holds is an incomplete character (in
+        JSON, an object of its own: ``stream``, ``attempt`` and ``data``, without ``seq``)."""
+        for stream, decoder in self.decoders.items():
+            rest = decoder.decode(b"", final=True)
+            if rest and self.as_json:
+                print(json.dumps({"stream": stream, "attempt": self.attempt, "data": rest}))
+            elif rest:
+                self._write(stream, rest)
+
+    @staticmethod
+    def _write(stream: str, text: str) -> None:
+        target = sys.stdout if stream == "stdout" else sys.stderr
+        target.write(text)
         target.flush()
+
+    def chunk(self, chunk: dict[str, Any]) -> None:
+        """Print one chunk of a ``run.logs`` page."""
+        if chunk.get("attempt") != self.attempt:
+            self._flush()  # a new attempt's output never completes the last one's text
+            self.attempt = chunk.get("attempt")
+        if chunk["stream"] == "cut":
+            self._flush()
+            if self.as_json:
+                print(json.dumps(chunk, default=_json_default))
+            else:
+                self._write("stdout", f"\n[... {chunk['dropped']} bytes cut ...]\n")
+            return
+        decoder = self.decoders.get(chunk["stream"])
+        data = bytes(chunk["data"] or b"")
+        text = decoder.decode(data) if decoder is not None else data.decode("utf-8", "replace")
+        if self.as_json:
+            print(json.dumps({**chunk, "data": text}, default=_json_default))
+        elif text:
+            self._write(chunk["stream"], text)
+
+    def close(self) -> None:
+        """The output ended: what is left of an incomplete character is printed as U+FFFD."""
+        self._flush()
 
 
 CLIENT_COMMANDS: dict[str, Callable[[Client, argparse.Namespace], Awaitable[int]]] = {
@@ -314,10 +426,18 @@ CLIENT_COMMANDS: dict[str, Callable[[Client, argparse.Namespace], Awaitable[int]
 
 
 def serve(args: argparse.Namespace) -> int:
+    """Run a node until SIGTERM/SIGINT. A node that cannot start (a data directory that is not
+    a directory or is of another shape, an address it cannot listen on: a port in use, a host
+    that is no address of this machine) prints one line and exits with status 2, without a
+    traceback; failures after it started serving keep theirs."""
     from cluster.node import Node, NodeError
     from engine.errors import EngineUsageError
     from engine.schedules import parse_duration
     from engine.shard import EngineConfig
+
+    def refuse(message: str) -> int:
+        err_console.print(f"[red]error[/red] {escape(message)}")
+        return 2
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     config = EngineConfig()
@@ -325,9 +445,20 @@ def serve(args: argparse.Namespace) -> int:
         try:
             lease = parse_duration(args.worker_lease, field="--worker-lease")
         except EngineUsageError as exc:
-            err_console.print(f"[red]error[/red] {escape(str(exc))}")
-            return 2
+            return refuse(str(exc))
         config = EngineConfig(worker_lease_ms=lease, reattach_grace_ms=2 * lease)
+    if not 0 <= args.port <= 65535:
+        return refuse(f"--port must be in 0..65535, got {args.port}")
+    if os.path.exists(args.data) and not os.path.isdir(args.data):
+        return refuse(f"--data {args.data}: not a directory")
+    # Listen once before the node opens its data directory: opening it creates the directory
+    # and bumps its epoch, which a node that then cannot listen must not have done. (A port
+    # taken between this probe and the node's own listen still fails below, cleanly, but
+    # after the bump: the node opens its stores before it listens, so that it never accepts
+    # a connection it cannot serve.)
+    problem = _cannot_listen(args.host, args.port)
+    if problem is not None:
+        return refuse(f"cannot listen on {args.host}:{args.port}: {problem}")
     node = Node(
         args.data,
         host=args.host,
@@ -336,12 +467,54 @@ def serve(args: argparse.Namespace) -> int:
         config=config,
         freeze_recovered=True,
     )
+    started = False
+
+    async def main() -> None:
+        nonlocal started
+        async with trio.open_nursery() as nursery:
+            await nursery.start(node.run)
+            started = True
+
     try:
-        trio.run(node.run)
-    except NodeError as exc:
-        err_console.print(f"[red]error[/red] {escape(str(exc))}")
-        return 2
+        trio.run(main)
+    except BaseException as exc:  # sorted below: only failures to start are ours to word
+        leaves = _leaves(exc)
+        if not started and leaves and all(isinstance(e, NodeError | OSError) for e in leaves):
+            return refuse("; ".join(_describe(e) for e in leaves))
+        if len(leaves) == 1 and leaves[0] is not exc:
+            raise leaves[0] from None  # one failure: its own traceback, not a group's
+        raise
     return 0
+
+
+def _cannot_listen(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be listened on right now (None: it can), found by opening and
+    closing the listeners the node would open (the same Trio call, so the same addresses)."""
+
+    async def probe() -> None:
+        for listener in await trio.open_tcp_listeners(port, host=host):
+            await listener.aclose()
+
+    try:
+        trio.run(probe)
+    except OSError as exc:
+        return _describe(exc)
+    return None
+
+
+def _describe(exc: BaseException) -> str:
+    """An OS error as its message (``Address already in use``), else the exception's text."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror + (f": {exc.filename}" if exc.filename else "")
+    return str(exc) or type(exc).__name__
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    """The exceptions an exception group holds, however nested (``[exc]`` for one that is
+    not a group)."""
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for inner in exc.exceptions for leaf in _leaves(inner)]
+    return [exc]
 
 
 def work(args: argparse.Namespace) -> int:

@@ -1315,6 +1315,10 @@ class Node:
             try:
                 text_shard, text_key = args["after"].split(":")
                 shard, after = int(text_shard), int(text_key)
+                # a shard of this node and a key the store can page on from (key + 1 fits
+                # its signed 64-bit keys): no wrap to the last shard, no struct.error
+                if not (0 <= shard < self.shards and 0 <= after < 2**63 - 1):
+                    raise ValueError(args["after"])
             except ValueError:
                 raise BadArgs("after: not a cursor from job.list", None, "after") from None
         jobs: list[dict[str, Any]] = []
@@ -1375,6 +1379,10 @@ class Node:
             key, at, cursor=args.get("offset", 0), limit=args.get("limit", 256)
         )
         record = host.store.run(key, at)
+        if record is None and not page.chunks:
+            # As run.get: a run never fired (or removed by retention, its logs with it). Not
+            # an empty page, on which a follower would wait for a final state forever.
+            raise RunNotFound(f"no run {args['run_id']!r}", field="run_id")
         return {
             "chunks": [
                 {

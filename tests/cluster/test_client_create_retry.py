@@ -1,0 +1,143 @@
+"""``Client.create`` and ``exists`` across reconnects: a real node in this Trio run, and a TCP
+proxy between it and the client that breaks the connection at chosen moments."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from functools import partial
+from pathlib import Path
+
+import pytest
+import trio
+
+from cluster.client import Client, RemoteError
+from cluster.node import Node
+
+pytestmark = pytest.mark.timeout(60)
+
+SPEC_MINE = {"schedule": {"at": "2040-01-01T00:00:00Z"}, "task": {"shell": "echo MINE"}}
+SPEC_OTHER = {"schedule": {"at": "2035-01-01T00:00:00Z"}, "task": {"shell": "echo OTHER"}}
+
+
+class Proxy:
+    """Forwards 127.0.0.1 connections to the node. ``cut_now()`` breaks the current one;
+    ``on_create`` set to ``"lose_reply"`` forwards the next ``job.create`` and breaks the
+    connection instead of passing its reply on; set to ``"drop"`` breaks the connection
+    without forwarding it, after awaiting ``before_drop``."""
+
+    def __init__(self, target: int) -> None:
+        self.target = target
+        self.on_create: str | None = None
+        self.before_drop: Callable[[], Awaitable[None]] | None = None
+        self.cut = trio.Event()
+        self.scopes: list[trio.CancelScope] = []
+
+    def cut_now(self) -> None:
+        for scope in self.scopes:
+            scope.cancel()
+
+    async def handle(self, client: trio.SocketStream) -> None:
+        upstream = await trio.open_tcp_stream("127.0.0.1", self.target)
+        lose_next_reply = False
+
+        async def up(scope: trio.CancelScope) -> None:
+            nonlocal lose_next_reply
+            async for data in client:
+                if b"job.create" in data and self.on_create == "drop":
+                    self.on_create = None
+                    if self.before_drop is not None:
+                        await self.before_drop()
+                    scope.cancel()
+                    return
+                if b"job.create" in data and self.on_create == "lose_reply":
+                    self.on_create = None
+                    lose_next_reply = True
+                await upstream.send_all(data)
+            scope.cancel()
+
+        async def down(scope: trio.CancelScope) -> None:
+            nonlocal lose_next_reply
+            async for data in upstream:
+                if lose_next_reply:
+                    scope.cancel()
+                    return
+                await client.send_all(data)
+            scope.cancel()
+
+        with trio.CancelScope() as scope:
+            self.scopes.append(scope)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(up, scope)
+                nursery.start_soon(down, scope)
+        self.scopes.remove(scope)
+        self.cut.set()
+        await client.aclose()
+        await upstream.aclose()
+
+
+def run_with_proxy(
+    tmp_path: Path, body: Callable[[Client, Client, Proxy], Awaitable[None]]
+) -> None:
+    """``body(through_proxy, direct, proxy)``."""
+
+    async def main() -> None:
+        node = Node(tmp_path / "data", shards=2)
+        with trio.fail_after(50):
+            async with trio.open_nursery() as nursery:
+                port = await nursery.start(node.run)
+                proxy = Proxy(port)
+                listeners = await nursery.start(
+                    partial(trio.serve_tcp, proxy.handle, 0, host="127.0.0.1")
+                )
+                proxy_port = listeners[0].socket.getsockname()[1]
+                async with (
+                    Client.connect("127.0.0.1", port) as direct,
+                    Client.connect("127.0.0.1", proxy_port, timeout_s=20) as client,
+                ):
+                    await body(client, direct, proxy)
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_an_exists_after_an_earlier_reconnect_is_someone_elses_job(tmp_path: Path) -> None:
+    async def body(client: Client, direct: Client, proxy: Proxy) -> None:
+        await direct.create({"id": "taken", **SPEC_OTHER})
+        proxy.cut_now()  # the client's connection breaks; it reconnects
+        await proxy.cut.wait()
+        await client.request("ping")
+        assert client.generation == 2
+        with pytest.raises(RemoteError) as refused:
+            await client.create({"id": "taken", **SPEC_MINE})
+        assert refused.value.code == "exists"
+        assert (await direct.get("taken"))["spec"]["task"]["shell"] == "echo OTHER"
+
+    run_with_proxy(tmp_path, body)
+
+
+def test_a_retried_create_whose_first_attempt_never_arrived_is_not_the_job_found(
+    tmp_path: Path,
+) -> None:
+    async def body(client: Client, direct: Client, proxy: Proxy) -> None:
+        async def someone_else_creates_it() -> None:
+            await direct.create({"id": "raced", **SPEC_OTHER})
+
+        proxy.on_create, proxy.before_drop = "drop", someone_else_creates_it
+        with pytest.raises(RemoteError) as refused:
+            await client.create({"id": "raced", **SPEC_MINE})
+        assert refused.value.code == "exists" and client.generation == 2
+        assert (await direct.get("raced"))["spec"]["task"]["shell"] == "echo OTHER"
+
+    run_with_proxy(tmp_path, body)
+
+
+def test_a_create_whose_reply_was_lost_returns_its_job_once_retried(tmp_path: Path) -> None:
+    async def body(client: Client, direct: Client, proxy: Proxy) -> None:
+        proxy.on_create = "lose_reply"
+        every = {"schedule": {"every": "1h"}, "task": {"command": ["true"]}, "timeout": "90m"}
+        job = await client.create({"id": "mine", **every})  # no start: the node's time
+        assert client.generation == 2
+        assert job["job_id"] == "mine" and job["version"] == 1 and "spec" not in job
+        assert (await direct.get("mine"))["spec"]["timeout"] == "1h30m"
+
+    run_with_proxy(tmp_path, body)
