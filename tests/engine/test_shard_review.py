@@ -391,3 +391,24 @@ def test_effects_of_a_stale_durable_change_nothing() -> None:
         node.engine.handle(Durable(1), node.wall + 10_000, node.mono + 10_000, epoch=1)
     assert node.engine.now_ms == wall
     assert not any(isinstance(e, Dispatch | Kill) for e in node.engine.tick(node.wall, node.mono))
+
+
+# ------------------------------------------------------------------------ A4: bounded times
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [{"at": "9999-12-31T23:59:59.999Z", "jitter": "1d"}, {"at": "1969-07-20T20:17:00Z"}],
+)
+def test_a_job_whose_times_cannot_be_represented_is_refused_and_not_stored(
+    schedule: dict[str, str],
+) -> None:
+    from engine.errors import ScheduleError
+    from engine.jobs import validate_job
+
+    node = Node()
+    with pytest.raises(ScheduleError):
+        validate_job(
+            {"id": "x", "schedule": schedule, "task": {"command": ["true"]}}, now_ms=node.wall
+        )
+    assert node.durable_records == []
