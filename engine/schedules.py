@@ -25,12 +25,12 @@ from cronsim import CronSim, CronSimError
 from engine.errors import EngineUsageError, ScheduleError
 
 __all__ = [
+    "MAX_INSTANT_MS",
+    "MIN_INSTANT_MS",
     "AtSchedule",
     "CronRule",
     "CronSchedule",
     "EverySchedule",
-    "MAX_INSTANT_MS",
-    "MIN_INSTANT_MS",
     "FireTime",
     "Preview",
     "Schedule",

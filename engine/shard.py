@@ -502,8 +502,7 @@ class ShardEngine:
     def _check_durable_epoch(self, epoch: int | None) -> None:
         if epoch is not None and epoch != self.epoch:
             raise StaleEpoch(
-                f"durable acknowledgement stamped with epoch {epoch}; the shard is at "
-                f"{self.epoch}",
+                f"durable acknowledgement stamped with epoch {epoch}; the shard is at {self.epoch}",
                 field="epoch",
             )
 
@@ -1985,9 +1984,7 @@ class ShardEngine:
             # After the decision below is durable: a crash before it brings the run back in
             # flight with its timeout still to come, and a task killed meanwhile would report
             # "killed", a failure, instead of the timeout's handler.
-            self._after_durable.append(
-                Kill(run.worker, self._run_id(run), run.token, "timed out")
-            )
+            self._after_durable.append(Kill(run.worker, self._run_id(run), run.token, "timed out"))
         run.timeouts += 1
         retry_ok = confirmed or policy.delivery == "at_least_once"
         gone = self._orphaned(run)

@@ -834,6 +834,7 @@ def test_an_every_schedule_ends_at_the_last_representable_time() -> None:
     assert [f.utc for f in fires] == ["9999-12-31T00:00:00Z"]
     assert parse_schedule(spec).next_after(fires[0].at_ms) is None
     # A start before 1970 is fine (what fires is after now), and renders with its year padded.
-    assert parse_schedule({"every": "1d", "start": "0001-01-01T00:00:00Z"}).to_spec()[
-        "start"
-    ] == "0001-01-01T00:00:00Z"
+    assert (
+        parse_schedule({"every": "1d", "start": "0001-01-01T00:00:00Z"}).to_spec()["start"]
+        == "0001-01-01T00:00:00Z"
+    )
