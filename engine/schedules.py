@@ -25,6 +25,8 @@ from cronsim import CronSim, CronSimError
 from engine.errors import EngineUsageError, ScheduleError
 
 __all__ = [
+    "MAX_INSTANT_MS",
+    "MIN_INSTANT_MS",
     "AtSchedule",
     "CronRule",
     "CronSchedule",
@@ -48,6 +50,15 @@ _EPOCH_NAIVE: Final = datetime(1970, 1, 1)
 # one before the start is a caller bug.
 _MIN_S: Final = -62_135_596_800 + 2 * 86_400
 _MAX_S: Final = 253_402_300_799 - 2 * 86_400
+
+#: The fire times a schedule may have: 1970-01-01T00:00:00Z (a run id carries its time as
+#: unsigned ms) to 9999-12-31T23:59:59.999Z (the last instant ISO 8601's four-digit years and
+#: datetime can render). An ``at`` outside it is refused, as is an ``at`` or ``start`` whose
+#: jitter could push it past the end; ``every`` and cron schedules are exhausted once their
+#: next time would be past it. (A ``start`` or ``end`` before 1970 is fine: what fires is
+#: after now.)
+MIN_INSTANT_MS: Final = 0
+MAX_INSTANT_MS: Final = 253_402_300_799_999
 
 KINDS: Final = ("cron", "at", "every")
 _COMMON_KEYS: Final = frozenset({"end", "jitter"})
@@ -186,12 +197,39 @@ _UTC_TEXT: dict[int, str] = {}
 _UTC_TEXT_LIMIT: Final = 65_536
 
 
+def _civil(days: int) -> tuple[int, int, int]:
+    """(year, month, day) of ``days`` since 1970-01-01 in the proleptic Gregorian calendar,
+    for any integer (H. Hinnant's ``civil_from_days``): no datetime range to overflow."""
+    z = days + 719_468
+    era = z // 146_097
+    doe = z - era * 146_097
+    yoe = (doe - doe // 1460 + doe // 36_524 - doe // 146_096) // 365
+    doy = doe - (365 * yoe + yoe // 4 - yoe // 100)
+    mp = (5 * doy + 2) // 153
+    day = doy - (153 * mp + 2) // 5 + 1
+    month = mp + 3 if mp < 10 else mp - 9
+    return yoe + era * 400 + (month <= 2), month, day
+
+
 def format_utc(ms: int) -> str:
-    """ISO 8601 in UTC with a ``Z``: ``2026-03-29T01:00:00Z``, milliseconds only when nonzero."""
+    """ISO 8601 in UTC with a ``Z``: ``2026-03-29T01:00:00Z``, milliseconds only when nonzero.
+
+    Total: any integer renders, years always with at least four digits (``0001-01-01...``),
+    years past 9999 with a ``+`` and years before 1 with a ``-`` (ISO 8601's expanded form),
+    so a bad instant can never make a description or a listing fail.
+    """
     seconds, milli = divmod(ms, 1000)
     text = _UTC_TEXT.get(seconds)
     if text is None:
-        text = (_EPOCH + timedelta(seconds=seconds)).strftime("%Y-%m-%dT%H:%M:%S")
+        days, rest = divmod(seconds, 86_400)
+        year, month, day = _civil(days)
+        hour, rest = divmod(rest, 3600)
+        minute, second = divmod(rest, 60)
+        if 0 <= year <= 9999:
+            ytext = f"{year:04d}"
+        else:
+            ytext = f"{'+' if year > 0 else '-'}{abs(year):06d}"
+        text = f"{ytext}-{month:02d}-{day:02d}T{hour:02d}:{minute:02d}:{second:02d}"
         if len(_UTC_TEXT) >= _UTC_TEXT_LIMIT:
             _UTC_TEXT.clear()
         _UTC_TEXT[seconds] = text
@@ -208,7 +246,11 @@ def _format_offset(offset: timedelta | None) -> str:
 
 
 def _format_local(ms: int, zone: ZoneInfo) -> str:
-    dt = (_EPOCH + timedelta(milliseconds=ms)).astimezone(zone)
+    try:
+        dt = (_EPOCH + timedelta(milliseconds=ms)).astimezone(zone)
+    except (OverflowError, ValueError):
+        # Beyond what datetime renders in a zone (near year 1 or 9999): the UTC text, total.
+        return f"{format_utc(ms)} (UTC)"
     text = dt.strftime("%Y-%m-%d %H:%M:%S")
     if ms % 1000:
         text += f".{ms % 1000:03d}"
@@ -712,12 +754,16 @@ class CronSchedule(Schedule):
             return None
         t = s * 1000 + delay
         end = self.end_ms
-        return None if end is not None and t > end else t
+        if end is None:
+            end = MAX_INSTANT_MS  # a jitter delay may carry the rule's last match past it
+        return None if t > end else t
 
     def next_after_uncached(self, after_ms: int) -> int | None:
         delay = self.jitter_offset_ms
         s = self.rule.next_after_s_uncached((_after_ms(after_ms) - delay) // 1000)
-        return None if s is None else self._within_end(s * 1000 + delay)
+        if s is None or s * 1000 + delay > MAX_INSTANT_MS:
+            return None
+        return self._within_end(s * 1000 + delay)
 
     def _describe(self) -> str:
         rule = self.rule
@@ -789,12 +835,45 @@ class EverySchedule(Schedule):
         base = _after_ms(after_ms) - self.jitter_offset_ms
         start, interval = self.start_ms, self.interval_ms
         k = 0 if base < start else (base - start) // interval + 1
-        return self._within_end(start + k * interval + self.jitter_offset_ms)
+        t = start + k * interval + self.jitter_offset_ms
+        if t > MAX_INSTANT_MS:
+            return None  # exhausted: no fire time past the last instant a schedule may reach
+        return self._within_end(t)
 
     def _describe(self) -> str:
         return (
             f"Every {format_duration(self.interval_ms)} from {format_utc(self.start_ms)}"
             + self._describe_tail()
+        )
+
+
+def _bounded(text: object, field: str, *, lower: bool = False) -> int:
+    """:func:`parse_instant`, refusing an instant after ``MAX_INSTANT_MS`` and, with ``lower``
+    (a fire time itself), before ``MIN_INSTANT_MS`` (:class:`ScheduleError` naming ``field``)."""
+    ms = parse_instant(text, field=field)
+    if lower and ms < MIN_INSTANT_MS:
+        raise ScheduleError(
+            f"{format_utc(ms)} is before 1970-01-01T00:00:00Z, the earliest time a schedule "
+            "may name",
+            field=field,
+        )
+    if ms > MAX_INSTANT_MS:
+        raise ScheduleError(
+            f"{format_utc(ms)} is after {format_utc(MAX_INSTANT_MS)}, the latest time a "
+            "schedule may name",
+            field=field,
+        )
+    return ms
+
+
+def _check_jitter_room(first_ms: int, jitter_ms: int | None, field: str) -> None:
+    """Refuse a first fire time whose jitter delay (up to ``jitter_ms - 1``, whichever the job
+    id draws) could land past ``MAX_INSTANT_MS``: validity must not depend on the id."""
+    if jitter_ms is not None and first_ms + jitter_ms - 1 > MAX_INSTANT_MS:
+        raise ScheduleError(
+            f"{format_utc(first_ms)} plus a jitter of {format_duration(jitter_ms)} may be after "
+            f"{format_utc(MAX_INSTANT_MS)}, the latest time a schedule may reach",
+            field=field,
         )
 
 
@@ -861,7 +940,7 @@ def parse_schedule(
     if job_id is not None and not isinstance(job_id, str):
         raise EngineUsageError(f"must be a string, got {type(job_id).__name__}", field="job_id")
 
-    end_ms = parse_instant(spec["end"], field="schedule.end") if "end" in spec else None
+    end_ms = _bounded(spec["end"], "schedule.end") if "end" in spec else None
     jitter_ms = (
         parse_duration(spec["jitter"], field="schedule.jitter") if "jitter" in spec else None
     )
@@ -894,7 +973,8 @@ def parse_schedule(
         return shared
 
     if kind == "at":
-        at_ms = parse_instant(spec["at"], field="schedule.at")
+        at_ms = _bounded(spec["at"], "schedule.at", lower=True)
+        _check_jitter_room(at_ms, jitter_ms, "schedule.at")
         if end_ms is not None and end_ms < at_ms:
             raise ScheduleError(
                 f"end {format_utc(end_ms)} is before at {format_utc(at_ms)}", field="schedule.end"
@@ -903,7 +983,7 @@ def parse_schedule(
 
     interval = parse_duration(spec["every"], field="schedule.every")
     if "start" in spec:
-        start_ms = parse_instant(spec["start"], field="schedule.start")
+        start_ms = _bounded(spec["start"], "schedule.start")
     elif created_ms is not None:
         if isinstance(created_ms, bool) or not isinstance(created_ms, int):
             raise EngineUsageError("must be integer milliseconds", field="created_ms")
@@ -914,6 +994,7 @@ def parse_schedule(
             "it to the job's creation time",
             field="schedule.start",
         )
+    _check_jitter_room(start_ms, jitter_ms, "schedule.start")
     if end_ms is not None and end_ms < start_ms:
         raise ScheduleError(
             f"end {format_utc(end_ms)} is before start {format_utc(start_ms)}",

@@ -264,8 +264,18 @@ class _Run:
     #: recovered PENDING at-least-once: a claim of this attempt may have left before the
     #: crash without its record becoming durable, so the next claim is a new attempt
     maybe_sent: bool = False
-    #: the batch its fire record is in, while that batch may not be durable yet: a claim in
-    #: the meantime holds its dispatch until the claim's own batch is durable (0: durable)
+    #: its job version was cancelled while it was in flight (it carries on, without retries
+    #: and without going out again); recorded ("cx"), so that it holds after the id is created
+    #: again as a new version, and after a restart
+    orphan: bool = False
+    #: at-most-once: the node-side timeout asked its (live) worker to stop it, and the run
+    #: waits for the confirmed report; not recorded (no decision is made until that report)
+    stopping: bool = False
+    #: the batch holding the record that established this run's current attempt number (its
+    #: fire or creation, a requeue, a retry, a claim that raised the attempt), while that
+    #: batch may not be durable yet: a claim in the meantime holds its dispatch until the
+    #: claim's own batch is durable (0: durable). A crash would otherwise forget a run that is
+    #: out, or let one attempt number name two dispatches.
     fired_batch: int = 0
 
     @property
@@ -338,10 +348,12 @@ class ShardEngine:
         self._runs: dict[RunRef, _Run] = {}
         # Runs claimed at least once, by run id, until final: what workers' reports name.
         self._handed_out: dict[str, _Run] = {}
-        # Triggered runs by source run id, to ignore a redelivered trigger. Kept for
+        # Triggered runs by (target job key, source run id) -> the run's time, to ignore a
+        # redelivered trigger. Keyed by the target too: one source run (an upstream's success)
+        # triggers every dependent of it, several of them on this shard. Kept for
         # trigger_dedupe_ms after the run's time (insertion order is time order, so the oldest
         # are pruned from the front).
-        self._sources: dict[str, RunRef] = {}
+        self._sources: dict[tuple[int, str], int] = {}
         self._trigger_at: dict[int, int] = {}  # the last time given to a triggered run, per job
         self._workers: dict[str, _Worker] = {}
         # on_timeout=mark: runs recorded TIMED_OUT whose task runs on, run id -> (token,
@@ -369,6 +381,9 @@ class ShardEngine:
         # upstream job id -> ids of jobs (on any shard) that run after its successes
         self._dependents: dict[str, set[str]] = {}
         self._outbox_seq = 0
+        # Recovery only: the newest epoch a replayed ``epoch`` record (or the snapshot) opened;
+        # a record stamped older than it afterwards is a fenced-off owner's write.
+        self._replay_epoch = 0
         # Effects waiting for a batch to be durable: batch id -> effects / runs to queue.
         self._held: dict[int, list[Effect]] = {}
         self._held_ready: dict[int, list[RunRef]] = {}
@@ -445,8 +460,12 @@ class ShardEngine:
         applies. A command the engine refuses is answered by a :class:`Reply` (or, for a
         worker's command, a :class:`Refused`) carrying the typed error, and changes nothing.
         ``epoch``, when the sender stamped one, must be this shard's: a command routed under an
-        older owner is refused with :class:`StaleEpoch`.
+        older owner is refused with :class:`StaleEpoch`. A :class:`Durable` so stamped
+        acknowledges another incarnation's batch: nothing answers it, so :class:`StaleEpoch`
+        is raised before anything changes (it would release this epoch's held dispatches).
         """
+        if isinstance(command, Durable):
+            self._check_durable_epoch(epoch)
         self._clock(wall_ms, mono_ms)
         self._run_due()
         if isinstance(command, Durable):
@@ -464,8 +483,13 @@ class ShardEngine:
         The same decisions as handling them one by one at ``(wall_ms, mono_ms)``, except that
         waiting runs are handed to workers once, after the last command, and every record goes
         into one :class:`Persist`: a driver under load pays the clock, the timers and the batch
-        once per group of commands instead of once per command.
+        once per group of commands instead of once per command. A :class:`Durable` among them
+        stamped with another epoch raises :class:`StaleEpoch` before anything changes.
         """
+        if epoch is not None and epoch != self.epoch:
+            commands = list(commands)
+            if any(isinstance(command, Durable) for command in commands):
+                self._check_durable_epoch(epoch)
         self._clock(wall_ms, mono_ms)
         self._run_due()
         for command in commands:
@@ -475,6 +499,13 @@ class ShardEngine:
                 self._command(command, epoch)
         self._dispatch_all()
         return self._finish()
+
+    def _check_durable_epoch(self, epoch: int | None) -> None:
+        if epoch is not None and epoch != self.epoch:
+            raise StaleEpoch(
+                f"durable acknowledgement stamped with epoch {epoch}; the shard is at {self.epoch}",
+                field="epoch",
+            )
 
     def _command(self, command: Command, epoch: int | None) -> None:
         handler = _HANDLERS[type(command)]
@@ -893,8 +924,17 @@ class ShardEngine:
         """Apply one record: all of it on recovery; live, what the record's maker has not set
         already (job bookkeeping, indexes)."""
         kind = r["t"]
-        if recovering and r.get("e", 0) > self.epoch:
-            raise StaleEpoch(f"record of epoch {r.get('e')} is newer than {self.epoch}")
+        if recovering:
+            stamped = r.get("e", 0)
+            if stamped > self.epoch:
+                raise StaleEpoch(f"record of epoch {stamped} is newer than {self.epoch}")
+            if stamped < self._replay_epoch and "e" in r:
+                # Written by an owner fenced off before the epoch opened earlier in the log:
+                # a zombie's write the store should have refused. Its state is not ours.
+                raise StaleEpoch(
+                    f"record of epoch {stamped} after the shard was opened at epoch "
+                    f"{self._replay_epoch}"
+                )
         if kind == "fire":
             if recovering:
                 self._apply_fire(r)
@@ -933,6 +973,8 @@ class ShardEngine:
         elif kind == "epoch":
             if recovering and r["epoch"] >= self.epoch:
                 raise StaleEpoch(f"shard already opened at epoch {r['epoch']} (>= {self.epoch})")
+            if recovering:
+                self._replay_epoch = max(self._replay_epoch, r["epoch"])
         elif kind == "skip" and r.get("src") is not None:
             self._remember_source(r["src"], (r["key"], r["lo"]))
         # Otherwise "skip" and "note" are history only: nothing in memory depends on them.
@@ -1034,6 +1076,7 @@ class ShardEngine:
             run.state, run.attempt, run.token, run.worker = state, r["att"], r["tok"], r["w"]
             run.due, run.failures, run.timeouts = r["due"], r["fail"], r["tmo"]
             run.source, run.exit, run.why = r["src"], r["exit"], r["why"]
+            run.orphan = bool(r.get("cx"))
             if r.get("spec") is not None:
                 run.pinned = r["spec"]
             if run.source is not None:
@@ -1073,6 +1116,8 @@ class ShardEngine:
         }
         if buffered:
             record["buf"] = True
+        if run.orphan:
+            record["cx"] = True
         if run.pinned is not None:
             # A run of an older version than the job's: its pinned spec travels with it, so
             # that recovery can rebuild what this run executes.
@@ -1236,10 +1281,17 @@ class ShardEngine:
                 self._finalize(run, RunEvent.CANCEL, why="job cancelled")
             elif cmd.stop_running:
                 if run.worker is not None:
-                    self._out.append(
+                    # After the CANCELLED record is durable: a crash before would bring the
+                    # run back in flight, its task killed under it.
+                    self._after_durable.append(
                         Kill(run.worker, self._run_id(run), run.token, "job cancelled")
                     )
                 self._finalize(run, RunEvent.CANCEL, why="job cancelled")
+            else:
+                # It carries on to its end, as this version's last run: no retry, and no
+                # second dispatch if its worker is lost (see _orphaned).
+                run.orphan = True
+                self._persist_run(run, buffered=self._buffered.get(key) == run.at)
         self._reply_after_durable(cmd.request_id, {"id": cmd.job_id, "cancelled": True})
 
     def _pause(self, cmd: PauseJob) -> None:
@@ -1476,11 +1528,15 @@ class ShardEngine:
             for t in busy:
                 prev = self._runs[(key, t)]
                 if prev.worker is not None and prev.state._value_ in IN_FLIGHT_VALUES:
-                    self._out.append(
+                    # After its CANCELLED record is durable (a crash before brings it back).
+                    self._after_durable.append(
                         Kill(prev.worker, self._run_id(prev), prev.token, "cancel_previous")
                     )
                 self._finalize(prev, RunEvent.CANCEL, why="cancel_previous")
         run = _Run(key, at, self._ver[key], pid, policy, source=source)
+        # Its creating record is in this call's batch: no dispatch of it before that is durable
+        # (a triggered run forgotten by a crash would run again under another run id).
+        run.fired_batch = self._batch + 1
         self._count_pending(run, +1)
         self._runs[ref] = run
         if source is not None:
@@ -1499,12 +1555,26 @@ class ShardEngine:
     # =============================================================== triggers and outbox
 
     def _trigger(self, cmd: TriggerJob) -> None:
-        if cmd.source_run_id in self._sources:
+        # A repeat is the same source for the same target job: the other dependents of one
+        # upstream run are not repeats. Looked up before the job itself, so that a redelivery
+        # to a job cancelled since is still answered as one.
+        known = self._key_of(cmd.job_id)
+        if known is not None and (known, cmd.source_run_id) in self._sources:
             # The original may not be durable yet: the source must not drop its outbox entry
             # before it is.
             self._reply_after_durable(cmd.request_id, {"duplicate": True})
             return
         key = self._job_key(cmd.job_id)
+        if self._flags[key] & _PAUSED:
+            # A paused job runs nothing, triggered runs included: the trigger is accounted for
+            # as skipped (with its source, so that a redelivery is still recognised).
+            at = max(self._wall + 1, self._trigger_at.get(key, 0) + 1)
+            self._trigger_at[key] = at
+            self._skip(key, at, at, 1, "paused", cmd.source_run_id)
+            self._reply_after_durable(
+                cmd.request_id, {"run_id": run_id(cmd.job_id, at), "skipped": "paused"}
+            )
+            return
         # A triggered run's time is just after now, after any earlier trigger of the job and
         # never on its next scheduled fire: its run id (job@ms) then names no other run, past
         # (those are all at or before now) or owed. It waits until that millisecond.
@@ -1519,11 +1589,13 @@ class ShardEngine:
         self._reply_after_durable(cmd.request_id, {"run_id": run_id(cmd.job_id, at)})
 
     def _remember_source(self, source: str, ref: RunRef) -> None:
-        self._sources[source] = ref
+        """Remember that job ``ref[0]`` ran (or skipped) a trigger from ``source`` at time
+        ``ref[1]``; forget what is older than the dedupe window."""
+        self._sources[(ref[0], source)] = ref[1]
         horizon = self._wall - self.config.trigger_dedupe_ms
         while self._sources:
             oldest = next(iter(self._sources))
-            if self._sources[oldest][1] >= horizon:
+            if self._sources[oldest] >= horizon:
                 break
             del self._sources[oldest]
 
@@ -1614,6 +1686,9 @@ class ShardEngine:
         run.grace = False
         worker.runs.add(run.ref)
         self._clear_run_timer(run)
+        if run.stopping:
+            # Timed out while its worker was away: ask again, wait for the confirmation.
+            self._out.append(Kill(run.worker, self._run_id(run), run.token, "timed out"))
         self._arm_timeout(run)
 
     def _pull(self, cmd: Pull) -> None:
@@ -1654,9 +1729,21 @@ class ShardEngine:
             run.grace = True
             self._set_run_timer(run, "grace", self._mono + self.config.reattach_grace_ms)
 
+    def _orphaned(self, run: _Run) -> bool:
+        """Whether ``run``'s job version was cancelled: no retry, no second dispatch. Its own
+        flag, not the key's: the id may have been created again as a new version since. (The
+        key's flag still counts for runs recovered from records older than the flag.)"""
+        return run.orphan or bool(self._flags[run.key] & _GONE)
+
     def _requeue(self, run: _Run, why: str) -> None:
+        if self._orphaned(run):
+            # An at-least-once run of a cancelled job whose worker is gone: its job owes
+            # nothing more, so it does not go out again.
+            self._finalize(run, RunEvent.CANCEL, why=f"job cancelled; {why}")
+            return
         self._move(run, RunEvent.REQUEUE)
         run.attempt += 1
+        run.fired_batch = self._batch + 1  # the record below makes this attempt number
         run.worker, run.grace, run.why = None, False, why
         self._persist_run(run)
         self._enqueue(run)
@@ -1670,12 +1757,47 @@ class ShardEngine:
         if kind == "grace":
             if run.policy.delivery == "at_least_once":
                 self._requeue(run, "not re-attached within the grace")
+            elif run.stopping:
+                # Timed out and asked to stop, then its worker vanished: the timeout stands,
+                # unconfirmed, so no retry.
+                self._timed_out(run, confirmed=False)
             else:
                 self._finalize(run, RunEvent.LOSE, why="outcome unknown: worker gone")
-        else:  # the node-side timeout
+        elif kind == "stop":
+            # Its worker was asked to stop it and never confirmed: unconfirmed, no retry.
             self._timed_out(run, confirmed=False)
+        else:  # the node-side timeout
+            self._node_timeout(run)
+
+    def _node_timeout(self, run: _Run) -> None:
+        """The node-side timeout of ``run`` lapsed.
+
+        At-most-once with a live worker (its lease valid: ``run.worker`` is set): the worker
+        is asked to stop the task and the run stays in flight until the confirmed report
+        (``killed`` or ``timed_out``), which applies the timeout handler, retries included.
+        Only when no report comes, within the reattach grace or before the worker's lease and
+        then the grace lapse, is it TIMED_OUT without a retry (DESIGN.md: at-most-once retries
+        follow a confirmed final report only). Otherwise the timeout is decided now.
+        """
+        policy = run.policy
+        if (
+            policy.delivery == "at_most_once"
+            and policy.on_timeout != "mark"
+            and run.worker is not None
+        ):
+            run.stopping = True
+            # Nothing is decided yet, so the Kill may leave at once; a crash before the
+            # report re-attaches the run and its timeout starts again.
+            self._out.append(Kill(run.worker, self._run_id(run), run.token, "timed out"))
+            self._set_run_timer(run, "stop", self._mono + self.config.reattach_grace_ms)
+            return
+        self._timed_out(run, confirmed=False)
 
     def _arm_timeout(self, run: _Run) -> None:
+        if run.stopping:
+            # Past its timeout already: what is left is waiting for the stop's confirmation.
+            self._set_run_timer(run, "stop", self._mono + self.config.reattach_grace_ms)
+            return
         timeout = run.policy.timeout_ms
         if timeout is not None:
             # The grace lets the worker's own stop act first; "mark" stops nothing, so the
@@ -1744,6 +1866,7 @@ class ShardEngine:
             # the crash may have reached a worker that still runs it.
             run.attempt += 1
             run.maybe_sent = False
+            run.fired_batch = self._batch + 1  # this claim's record makes the new number
         self._counter += 1
         run.token = fencing_token(self.epoch, self._counter)
         run.worker = worker.worker_id
@@ -1772,8 +1895,9 @@ class ShardEngine:
         if "claim-after-fire" in self.config.mutants:
             self._out.append(Dispatch(worker.worker_id, ticket))  # the guard switched off
         elif policy.delivery == "at_most_once" or run.fired_batch > self._durable:
-            # At-most-once: the claim first. Either mode: a run whose fire is not durable yet
-            # waits with it (a crash would forget the run, and its attempt number with it).
+            # At-most-once: the claim first. Either mode: a run whose creation, or the record
+            # that set its attempt number, is not durable yet waits for it (a crash would
+            # forget the run, or let the attempt number name a second dispatch).
             self._after_durable.append(Dispatch(worker.worker_id, ticket))
         else:
             self._out.append(Dispatch(worker.worker_id, ticket))
@@ -1799,6 +1923,12 @@ class ShardEngine:
             worker = self._workers.get(worker_id)
             if run.worker is None and worker is not None:
                 self._reattach(worker, run)  # a known worker reporting during the grace
+                return run
+            if what != "started":
+                # A final report carrying the run's current token counts, whoever sends it
+                # (DESIGN.md, "What is fenced"): the token is the proof, and the worker may be
+                # one whose lease lapsed (a short partition) while the run waits its grace.
+                # A start report from such a worker still changes nothing: the grace decides.
                 return run
         # A report of a superseded attempt (or of a run already final): kept in the history,
         # never changes the state.
@@ -1838,11 +1968,12 @@ class ShardEngine:
             self._after_success(run)
         elif cmd.outcome == "failed":
             run.failures += 1
-            if run.failures <= run.policy.retries_max and not self._flags[run.key] & _GONE:
+            if run.failures <= run.policy.retries_max and not self._orphaned(run):
                 self._retry_later(run, RunEvent.FAIL, run.failures, "failed")
             else:
                 self._finalize(run, RunEvent.FAIL, why="failed")
-        elif cmd.outcome == "timed_out":
+        elif cmd.outcome == "timed_out" or run.stopping:
+            # The worker's own timeout, or its confirmation of the node-side timeout's stop.
             self._timed_out(run, confirmed=True)
         else:  # killed on the node's request without a cancel recorded: a failure
             self._finalize(run, RunEvent.FAIL, why="killed")
@@ -1859,10 +1990,13 @@ class ShardEngine:
         policy = run.policy
         handler = policy.on_timeout
         if run.worker is not None and handler != "mark" and not confirmed:
-            self._out.append(Kill(run.worker, self._run_id(run), run.token, "timed out"))
+            # After the decision below is durable: a crash before it brings the run back in
+            # flight with its timeout still to come, and a task killed meanwhile would report
+            # "killed", a failure, instead of the timeout's handler.
+            self._after_durable.append(Kill(run.worker, self._run_id(run), run.token, "timed out"))
         run.timeouts += 1
         retry_ok = confirmed or policy.delivery == "at_least_once"
-        gone = self._flags[run.key] & _GONE
+        gone = self._orphaned(run)
         if (
             handler == "retry"
             and retry_ok
@@ -1883,6 +2017,7 @@ class ShardEngine:
         self._move(run, RunEvent.RETRY)
         self._release_worker(run)
         run.attempt += 1
+        run.fired_batch = self._batch + 1  # the record below makes this attempt number
         run.due = self._wall + retry_delay_ms(run.policy, nth)
         run.why = f"{why}; retry {nth}"
         self._clear_run_timer(run)
@@ -1970,7 +2105,9 @@ class ShardEngine:
                 "outbox": [self._outbox[seq] for seq in sorted(self._outbox)],
                 "outbox_seq": self._outbox_seq,
                 "dependents": {up: sorted(d) for up, d in sorted(self._dependents.items())},
-                "sources": [[src, key, at] for src, (key, at) in self._sources.items()],
+                # [source run id, target job key, time]: the same triple as before the target
+                # became part of the key, so snapshots of either form load in both.
+                "sources": [[src, key, at] for (key, src), at in self._sources.items()],
             },
         )
 
@@ -1980,6 +2117,7 @@ class ShardEngine:
             raise EngineStateError(f"snapshot format {meta.get('format')!r} is not readable")
         if meta["epoch"] >= self.epoch:
             raise StaleEpoch(f"shard already opened at epoch {meta['epoch']} (>= {self.epoch})")
+        self._replay_epoch = int(meta["epoch"])
         # Each distinct policy is parsed once ("policies"; absent from older snapshots, whose
         # profiles carry their policies whole).
         policies = [parse_policy(p) for p in meta.get("policies", ())]
@@ -2019,7 +2157,7 @@ class ShardEngine:
         self._outbox_seq = meta["outbox_seq"]
         self._dependents = {up: set(downs) for up, downs in meta["dependents"].items()}
         for src, key, at in meta["sources"]:
-            self._sources[src] = (key, at)
+            self._sources[(key, src)] = at
 
     # =============================================================== inspection (tests, sim)
 

@@ -796,3 +796,45 @@ def test_format_utc_matches_datetime_cached_or_not(ms: int) -> None:
     assert format_utc(ms) == expected
     assert format_utc(ms) == expected  # the second answer comes from the per-second cache
     assert format_utc(ms - ms % 1000) == expected[:19] + "Z"
+
+
+# ---------------------------------------------------------------------------- bounds (review A4)
+
+
+def test_format_utc_is_total_and_pads_years_to_four_digits() -> None:
+    from engine.schedules import MAX_INSTANT_MS, format_utc
+
+    assert format_utc(-62_135_596_800_000) == "0001-01-01T00:00:00Z"
+    assert format_utc(MAX_INSTANT_MS) == "9999-12-31T23:59:59.999Z"
+    assert format_utc(MAX_INSTANT_MS + 1) == "+010000-01-01T00:00:00Z"
+    assert format_utc(-62_135_596_800_001) == "0000-12-31T23:59:59.999Z"
+    assert format_utc(-(2**62)).startswith("-")  # no OverflowError, whatever the instant
+
+
+@pytest.mark.parametrize(
+    ("spec", "field"),
+    [
+        ({"at": "9999-12-31T23:59:59.999Z", "jitter": "1d"}, "schedule.at"),
+        ({"every": "1d", "start": "9999-12-31T00:00:00Z", "jitter": "2d"}, "schedule.start"),
+        ({"at": "1969-07-20T20:17:00Z"}, "schedule.at"),
+        ({"at": "0001-01-01T00:00:00Z"}, "schedule.at"),
+    ],
+)
+def test_schedules_outside_the_representable_times_are_refused(
+    spec: dict[str, str], field: str
+) -> None:
+    with pytest.raises(ScheduleError) as info:
+        parse_schedule(spec, job_id="j")
+    assert info.value.field == field
+
+
+def test_an_every_schedule_ends_at_the_last_representable_time() -> None:
+    spec = {"every": "1d", "start": "9999-12-31T00:00:00Z"}
+    fires = preview(spec, 3, 0).fires
+    assert [f.utc for f in fires] == ["9999-12-31T00:00:00Z"]
+    assert parse_schedule(spec).next_after(fires[0].at_ms) is None
+    # A start before 1970 is fine (what fires is after now), and renders with its year padded.
+    assert (
+        parse_schedule({"every": "1d", "start": "0001-01-01T00:00:00Z"}).to_spec()["start"]
+        == "0001-01-01T00:00:00Z"
+    )

@@ -343,12 +343,25 @@ def test_node_side_timeout_handlers(handler: str) -> None:
         assert node.durable_records[-1]["t"] == "outdone"
 
 
-def test_at_most_once_is_never_retried_after_a_node_side_timeout() -> None:
-    node = Node(config=cfg(timeout_grace_ms=1000))
+@pytest.mark.parametrize("worker_goes", ["lease lapses", "heartbeats without confirming"])
+def test_at_most_once_is_never_retried_after_an_unconfirmed_node_side_timeout(
+    worker_goes: str,
+) -> None:
+    node = Node(config=cfg(worker_lease_ms=3000, reattach_grace_ms=5000, timeout_grace_ms=1000))
     worker(node)
     once(node, "t", timeout="2s", on_timeout="retry:3", delivery="at_most_once")
     node.advance(1000)
-    node.run_until(10_000, step=500)
+    (t1,) = node.tickets()
+    held = ((t1.run_id, t1.token),)
+    for _ in range(4):  # past the node-side timeout (claim + 2 s + 1 s): asked to stop
+        node.advance(1000)
+        node.do(Heartbeat("w1", held))
+    assert [k.reason for k in node.kills] == ["timed out"]
+    assert node.final_states() == ["CLAIMED"]  # waiting for the stop's confirmation
+    for _ in range(12):
+        node.advance(1000)
+        if worker_goes != "lease lapses":
+            node.do(Heartbeat("w1", held))
     assert len(node.tickets()) == 1 and node.final_states() == ["TIMED_OUT"]
 
 
@@ -835,10 +848,10 @@ def test_trigger_sources_are_forgotten_after_the_dedupe_window() -> None:
     node.do(TriggerJob(node.request(), "t", "src@1"))
     node.advance(30_000)
     node.do(TriggerJob(node.request(), "t", "src@2"))
-    assert set(node.engine._sources) == {"src@1", "src@2"}
+    assert {src for _key, src in node.engine._sources} == {"src@1", "src@2"}
     node.advance(40_000)  # src@1 is now older than the window
     node.do(TriggerJob(node.request(), "t", "src@3"))
-    assert set(node.engine._sources) == {"src@2", "src@3"}
+    assert {src for _key, src in node.engine._sources} == {"src@2", "src@3"}
 
 
 def test_a_lost_at_least_once_claim_goes_out_again_as_a_new_attempt() -> None:
@@ -906,17 +919,20 @@ def test_a_recreated_jobs_fire_time_taken_by_a_run_still_in_flight_is_skipped_as
     assert len(node.tickets()) == 1
 
 
-def test_a_run_of_a_cancelled_job_keeps_its_spec_when_the_id_is_created_again() -> None:
+def test_a_run_of_a_replaced_job_keeps_its_spec_when_the_id_gets_a_new_version() -> None:
     # Found against a real node: the re-created job's version replaced the spec the old run
-    # needed for its ticket, and claiming it failed half-way.
+    # needed for its ticket, and claiming it failed half-way. (A cancelled job's run no longer
+    # goes out again at all: see test_a_cancelled_jobs_alo_run_is_not_sent_again_...; a
+    # replacing create pins it the same way.)
     node = Node()
     worker(node, credits=1)
     from engine.schedules import format_utc
 
     node.create(id="k1", schedule={"at": format_utc(node.wall)}, task={"shell": "echo v1"})
     (first,) = node.tickets()
-    node.do(CancelJob(node.request(), "k1"))
-    node.create(id="k1", schedule={"at": format_utc(node.wall + 60_000)}, task={"shell": "v2"})
+    node.create(
+        id="k1", schedule={"at": format_utc(node.wall + 60_000)}, task={"shell": "v2"}, replace=True
+    )
     node.do(WorkerHello("w1", ("default",), 1, ()))  # restarted without it: out again
     again = node.tickets()[-1]
     assert (again.run_id, again.attempt, again.task, again.version) == (

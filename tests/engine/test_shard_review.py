@@ -1,0 +1,414 @@
+"""Defects found by review of the shard engine, each pinned by the test that first failed on it:
+trigger dedupe per target, dispatches held behind the record of their attempt, reports that
+carry the current token, stale epochs, node-side timeouts of at-most-once runs, kills held
+behind their decision, cancelled versions' runs, paused jobs' triggers."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from engine.effects import (
+    CancelJob,
+    Dispatch,
+    Durable,
+    Heartbeat,
+    Kill,
+    PauseJob,
+    Pull,
+    ReportFinished,
+    ReportStarted,
+    TriggerJob,
+    WorkerHello,
+)
+from engine.errors import StaleEpoch
+from engine.runs import RunState
+from engine.schedules import format_utc
+from engine.shard import EngineConfig, ShardEngine
+from tests.engine.harness import Node
+
+
+def cfg(**overrides: int) -> EngineConfig:
+    values = {"worker_lease_ms": 10**9, "reattach_grace_ms": 10**9, **overrides}
+    return EngineConfig(**values)
+
+
+def once(node: Node, job_id: str, in_s: int = 1, **extra: object) -> None:
+    node.create(id=job_id, schedule={"at": format_utc(node.wall + in_s * 1000)}, **extra)
+
+
+def repeated_attempts(node: Node) -> dict[tuple[str, int], int]:
+    """(run id, attempt) pairs that name more than one dispatch."""
+    seen = Counter((t.run_id, t.attempt) for t in node.tickets())
+    return {k: n for k, n in seen.items() if n > 1}
+
+
+# ------------------------------------------------------------------------ A1: trigger dedupe
+
+
+def test_every_dependent_on_one_shard_runs_after_one_upstream_success() -> None:
+    node = Node()
+    node.do(WorkerHello("w1", ("default",), 10))
+    for down in ("v1", "v4", "v8"):
+        node.create(id=down, schedule={"at": "2035-01-01T00:00:00Z"}, after=["vup"])
+    node.deliver_registrations()
+    once(node, "vup")
+    node.advance(1000)
+    (up,) = node.tickets()
+    node.do(ReportFinished("w1", up.run_id, up.token, "success", 0))
+    assert sorted(t.job_id for t in node.triggers) == ["v1", "v4", "v8"]
+    for trigger in node.triggers:
+        node.do(TriggerJob(node.request(), trigger.job_id, trigger.source_run_id))
+    node.advance(1)
+    assert sorted(t.job_id for t in node.tickets() if t.job_id != "vup") == ["v1", "v4", "v8"]
+
+
+@pytest.mark.parametrize("via_snapshot", [False, True])
+def test_a_redelivered_trigger_is_a_repeat_for_its_own_target_only_after_recovery(
+    via_snapshot: bool,
+) -> None:
+    node = Node()
+    for down in ("a", "b"):
+        node.create(id=down, schedule={"at": "2035-01-01T00:00:00Z"})
+    node.do(TriggerJob(node.request(), "a", "up@1"))
+    if via_snapshot:
+        node.take_snapshot()
+    node.crash_and_recover(via_snapshot=via_snapshot)
+    repeat = node.do(TriggerJob(node.request(), "a", "up@1"))
+    first_for_b = node.do(TriggerJob(node.request(), "b", "up@1"))
+    assert repeat is not None and repeat.result == {"duplicate": True}
+    assert first_for_b is not None and "run_id" in (first_for_b.result or {})
+
+
+# ------------------------------------------------------------------------ F1, F2: held dispatches
+
+
+def test_a_triggered_run_waits_for_its_creating_record_to_be_durable() -> None:
+    node = Node(auto_durable=False)
+    node.create(id="t", schedule={"at": "2030-01-01T00:00:00Z"})
+    node.flush()
+    node.do(WorkerHello("w1", ("default",), 1))
+    node.flush()
+    node.do(TriggerJob(node.request(), "t", "src@1"))  # its run's record: not durable yet
+    node.advance(1)  # its time: claimed, but held
+    assert node.tickets() == []
+    node.flush()
+    assert [t.job_id for t in node.tickets()] == ["t"]
+
+
+def test_a_trigger_redelivered_after_a_crash_runs_under_one_run_id() -> None:
+    node = Node(auto_durable=False)
+    node.create(id="t", schedule={"at": "2030-01-01T00:00:00Z"})
+    node.flush()
+    node.do(WorkerHello("w1", ("default",), 1))
+    node.flush()
+    node.do(TriggerJob(node.request(), "t", "src@1"))
+    node.advance(1)
+    node.crash_and_recover()  # the run's record was never durable, and it never went out
+    node.auto_durable = True
+    node.flush()
+    node.do(TriggerJob(node.request(), "t", "src@1"))  # the source's outbox redelivers
+    node.do(WorkerHello("w2", ("default",), 1))
+    node.advance(5)
+    assert len({t.run_id for t in node.tickets()}) == 1
+
+
+def test_an_attempt_set_by_a_requeue_not_durable_is_never_sent() -> None:
+    node = Node(config=cfg(worker_lease_ms=5000, reattach_grace_ms=5000), auto_durable=False)
+    node.do(WorkerHello("w1", ("default",), 1))
+    node.flush()
+    once(node, "a")
+    node.flush()
+    node.advance(1000)
+    node.flush()
+    node.advance(3000)
+    node.do(WorkerHello("w2", ("default",), 1))
+    node.flush()
+    node.advance(1500)  # w1's lease lapsed: requeued as attempt 2, claimed by w2, not durable
+    assert [t.attempt for t in node.tickets()] == [1]
+    node.crash_and_recover()  # lost: the run is CLAIMED attempt 1 again, in its grace
+    node.auto_durable = True
+    node.flush()
+    node.run_until(5100, step=500)
+    node.do(WorkerHello("w3", ("default",), 1))
+    assert [t.attempt for t in node.tickets()] == [1, 2]
+    assert repeated_attempts(node) == {}
+
+
+def test_an_attempt_set_by_a_retry_not_durable_is_never_sent() -> None:
+    node = Node(auto_durable=False)
+    node.do(WorkerHello("w1", ("default",), 5))
+    node.flush()
+    once(node, "a", retries={"max": 3, "backoff": "1s"})
+    node.flush()
+    node.advance(1000)
+    node.flush()
+    (t1,) = node.tickets("w1")
+    node.do(ReportFinished("w1", t1.run_id, t1.token, "failed", 1))  # the retry: not durable
+    node.advance(1000)  # its time: claimed, held
+    assert [t.attempt for t in node.tickets()] == [1]
+    node.crash_and_recover()
+    node.auto_durable = True
+    node.flush()
+    node.do(WorkerHello("w9", ("default",), 5))
+    node.do(WorkerHello("w1", ("default",), 5, ()))  # w1 restarted too: holds nothing
+    node.run_until(10**9 + 10, step=10**8)
+    node.do(WorkerHello("w9", ("default",), 5))
+    assert repeated_attempts(node) == {}
+
+
+def test_an_attempt_raised_by_a_claim_after_recovery_waits_for_that_claim() -> None:
+    node = Node(auto_durable=False)
+    once(node, "a")
+    node.flush()
+    node.advance(1000)
+    node.flush()  # PENDING, durable
+    node.do(WorkerHello("w1", ("default",), 1))  # attempt 1 out; its claim not durable
+    node.crash_and_recover()
+    node.do(WorkerHello("w2", ("default",), 1))  # maybe sent: attempt 2, held for its claim
+    node.crash_and_recover()
+    node.do(WorkerHello("w3", ("default",), 1))
+    node.flush()
+    assert repeated_attempts(node) == {}
+
+
+# ------------------------------------------------------------------------ F3: the token counts
+
+
+def test_a_final_report_with_the_current_token_counts_from_a_lapsed_worker() -> None:
+    node = Node(config=cfg(worker_lease_ms=2000, reattach_grace_ms=10_000))
+    node.do(WorkerHello("w1", ("default",), 1))
+    once(node, "m", delivery="at_most_once", retries={"max": 2, "backoff": "1s"})
+    node.advance(1000)
+    (t,) = node.tickets()
+    node.advance(2500)  # w1's lease lapsed (a short partition): the run waits its grace
+    node.do(ReportStarted("w1", t.run_id, t.token))  # a start report still changes nothing
+    assert node.engine.run_state(t.run_id) is RunState.CLAIMED
+    node.do(ReportFinished("w1", t.run_id, t.token, "failed", 3))
+    assert node.engine.run_state(t.run_id) is RunState.PENDING  # a confirmed failure: retry
+    node.do(WorkerHello("w2", ("default",), 1))
+    node.advance(1500)  # the retry's backoff (1 s), within w2's lease
+    assert [(x.run_id, x.attempt) for x in node.tickets()] == [(t.run_id, 1), (t.run_id, 2)]
+
+
+# ------------------------------------------------------------------------ F8, F9: stale epochs
+
+
+def test_a_durable_acknowledgement_of_a_stale_epoch_is_refused() -> None:
+    node = Node(auto_durable=False)
+    node.crash_and_recover()  # epoch 2
+    once(node, "m", delivery="at_most_once")
+    node.flush()
+    node.do(WorkerHello("w1", ("default",), 1))
+    node.flush()
+    node.advance(1000)  # fire and claim in one batch, not durable
+    (batch,) = node.unacked
+    with pytest.raises(StaleEpoch):
+        node.engine.handle(Durable(batch.batch_id), node.wall, node.mono, epoch=1)
+    with pytest.raises(StaleEpoch):
+        node.engine.handle_many([Durable(batch.batch_id)], node.wall, node.mono, epoch=1)
+    node.flush()  # nothing was released by them; the real acknowledgement releases it once
+    assert len(node.tickets()) == 1
+
+
+def test_recovery_refuses_records_older_than_an_epoch_opened_before_them() -> None:
+    node = Node()
+    node.create(id="a", schedule={"at": "2030-01-01T00:00:00Z"})
+    node.crash_and_recover()  # epoch 2 opened; its epoch record is durable
+    zombie = Node()  # an epoch-1 owner whose write lands after it
+    zombie.create(id="z", schedule={"at": "2030-01-01T00:00:00Z"})
+    stale = [dict(r, key=5) for r in zombie.durable_records]
+    with pytest.raises(StaleEpoch):
+        ShardEngine.recover(
+            node.durable_records + stale,
+            epoch=3,
+            wall_ms=node.wall,
+            mono_ms=node.mono,
+            config=node.config,
+        )
+    # In order (older epochs first) the same records load.
+    ShardEngine.recover(
+        stale + node.durable_records,
+        epoch=3,
+        wall_ms=node.wall,
+        mono_ms=node.mono,
+        config=node.config,
+    )
+
+
+# ------------------------------------------------------------------------ F5: AMO node timeouts
+
+
+def test_an_at_most_once_timeout_on_a_live_worker_retries_after_the_confirmed_kill() -> None:
+    node = Node(config=cfg(worker_lease_ms=3000, reattach_grace_ms=3000, timeout_grace_ms=1000))
+    node.do(WorkerHello("w1", ("default",), 1))
+    once(node, "m", delivery="at_most_once", timeout="2s", on_timeout="retry:2")
+    node.advance(1000)
+    (t,) = node.tickets()
+    node.do(ReportStarted("w1", t.run_id, t.token))
+    for _ in range(4):  # reachable: it heartbeats; the node-side timeout asks it to stop
+        node.advance(1000)
+        node.do(Heartbeat("w1", ((t.run_id, t.token),)))
+    assert [k.reason for k in node.kills] == ["timed out"]
+    assert node.engine.run_state(t.run_id) is RunState.RUNNING
+    node.do(ReportFinished("w1", t.run_id, t.token, "killed", None))  # the confirmed kill
+    node.do(Pull("w1", 1))
+    for _ in range(10):  # the retry's backoff, the worker still there
+        node.advance(1000)
+        node.do(Heartbeat("w1", ()))
+    assert [(x.run_id, x.attempt) for x in node.tickets()] == [(t.run_id, 1), (t.run_id, 2)]
+    last = node.runs()[(0, t.scheduled_ms)]
+    assert (last["tmo"], last["state"]) == (1, "CLAIMED")
+
+
+def test_an_at_most_once_run_stopping_on_timeout_is_timed_out_when_its_worker_vanishes() -> None:
+    node = Node(config=cfg(worker_lease_ms=3000, reattach_grace_ms=3000, timeout_grace_ms=1000))
+    node.do(WorkerHello("w1", ("default",), 1))
+    once(node, "m", delivery="at_most_once", timeout="2s", on_timeout="retry:2")
+    node.advance(1000)
+    (t,) = node.tickets()
+    for _ in range(4):
+        node.advance(1000)
+        node.do(Heartbeat("w1", ((t.run_id, t.token),)))
+    assert [k.reason for k in node.kills] == ["timed out"]
+    node.run_until(20_000, step=500)  # no heartbeat, no report: lease, then grace
+    assert node.final_states() == ["TIMED_OUT"] and len(node.tickets()) == 1
+
+
+# ------------------------------------------------------------------------ F6: kills held
+
+
+def test_a_timeout_kill_waits_for_the_decision_to_be_durable() -> None:
+    node = Node(config=cfg(timeout_grace_ms=1000), auto_durable=False)
+    node.do(WorkerHello("w1", ("default",), 1))
+    node.flush()
+    once(node, "a", timeout="2s", on_timeout="retry:2")
+    node.flush()
+    node.advance(1000)
+    node.flush()
+    (t,) = node.tickets()
+    node.do(ReportStarted("w1", t.run_id, t.token))
+    node.flush()
+    node.advance(3001)  # the node-side timeout: retry decided, not durable
+    assert node.kills == [] and node.unacked
+    node.crash_and_recover()  # the decision is lost, and so is the kill: the task runs on
+    node.auto_durable = True
+    node.flush()
+    node.do(WorkerHello("w1", ("default",), 1, ((t.run_id, t.token),)))
+    assert node.engine.run_state(t.run_id) is RunState.RUNNING
+    node.advance(3001)  # its timeout again, this time durable before the kill leaves
+    assert [k.reason for k in node.kills] == ["timed out"]
+
+
+@pytest.mark.parametrize("how", ["cancel", "cancel_previous"])
+def test_a_cancel_kill_waits_for_the_cancel_to_be_durable(how: str) -> None:
+    node = Node(auto_durable=False)
+    node.do(WorkerHello("w1", ("default",), 2))
+    node.flush()
+    if how == "cancel":
+        once(node, "a")
+    else:
+        node.create(
+            id="a",
+            schedule={"every": "1s", "start": format_utc(node.wall + 1000)},
+            overlap="cancel_previous",
+        )
+    node.flush()
+    node.advance(1000)
+    node.flush()
+    (t,) = node.tickets()
+    if how == "cancel":
+        node.do(CancelJob(node.request(), "a", stop_running=True))
+    else:
+        node.advance(1000)
+    assert node.kills == [] and node.unacked
+    node.flush()
+    assert [(k.run_id, k.reason) for k in node.kills] == [
+        (t.run_id, "job cancelled" if how == "cancel" else "cancel_previous")
+    ]
+
+
+# ------------------------------------------------------------------------ F10: cancelled versions
+
+
+@pytest.mark.parametrize("crash", [False, True])
+def test_a_cancelled_versions_failing_run_is_not_retried_after_the_id_is_created_again(
+    crash: bool,
+) -> None:
+    node = Node()
+    node.do(WorkerHello("w1", ("default",), 1))
+    once(node, "r", retries={"max": 2, "backoff": "1s"})
+    node.advance(1000)
+    (t,) = node.tickets()
+    node.do(CancelJob(node.request(), "r"))  # the running run carries on
+    node.create(id="r", schedule={"at": "2030-01-01T00:00:00Z"}, task={"shell": "new"})
+    if crash:
+        node.crash_and_recover()
+        node.do(WorkerHello("w1", ("default",), 1, ((t.run_id, t.token),)))
+    node.do(ReportFinished("w1", t.run_id, t.token, "failed", 1))
+    node.do(Pull("w1", 1))
+    node.advance(2000)
+    assert len(node.tickets()) == 1 and node.final_states() == ["FAILED"]
+
+
+def test_a_cancelled_jobs_alo_run_is_not_sent_again_when_its_worker_is_lost() -> None:
+    node = Node(config=cfg(worker_lease_ms=2000, reattach_grace_ms=2000))
+    node.do(WorkerHello("w1", ("default",), 1))
+    once(node, "a")
+    node.advance(1000)
+    assert len(node.tickets()) == 1
+    node.do(CancelJob(node.request(), "a"))  # stop_running=False: the run carries on
+    node.advance(2500)  # w1 lost
+    node.do(WorkerHello("w2", ("default",), 1))
+    assert len(node.tickets()) == 1 and node.final_states() == ["CANCELLED"]
+
+
+# ------------------------------------------------------------------------ F11: paused triggers
+
+
+def test_a_paused_jobs_trigger_is_skipped_as_paused_and_its_redelivery_recognised() -> None:
+    node = Node()
+    node.do(WorkerHello("w1", ("default",), 5))
+    node.create(id="t", schedule={"at": "2030-01-01T00:00:00Z"})
+    node.do(PauseJob(node.request(), "t"))
+    reply = node.do(TriggerJob(node.request(), "t", "src@1"))
+    assert reply is not None and (reply.result or {}).get("skipped") == "paused"
+    node.advance(5)
+    assert node.tickets() == []
+    assert [(s["why"], s.get("src")) for s in node.skips()] == [("paused", "src@1")]
+    node.crash_and_recover()
+    again = node.do(TriggerJob(node.request(), "t", "src@1"))
+    assert again is not None and again.result == {"duplicate": True}
+
+
+def test_effects_of_a_stale_durable_change_nothing() -> None:
+    # handle() refuses before it moves time or releases anything.
+    node = Node(auto_durable=False)
+    node.crash_and_recover()
+    wall = node.engine.now_ms
+    with pytest.raises(StaleEpoch):
+        node.engine.handle(Durable(1), node.wall + 10_000, node.mono + 10_000, epoch=1)
+    assert node.engine.now_ms == wall
+    assert not any(isinstance(e, Dispatch | Kill) for e in node.engine.tick(node.wall, node.mono))
+
+
+# ------------------------------------------------------------------------ A4: bounded times
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [{"at": "9999-12-31T23:59:59.999Z", "jitter": "1d"}, {"at": "1969-07-20T20:17:00Z"}],
+)
+def test_a_job_whose_times_cannot_be_represented_is_refused_and_not_stored(
+    schedule: dict[str, str],
+) -> None:
+    from engine.errors import ScheduleError
+    from engine.jobs import validate_job
+
+    node = Node()
+    with pytest.raises(ScheduleError):
+        validate_job(
+            {"id": "x", "schedule": schedule, "task": {"command": ["true"]}}, now_ms=node.wall
+        )
+    assert node.durable_records == []
