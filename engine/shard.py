@@ -1745,6 +1745,7 @@ class ShardEngine:
         run.attempt += 1
         run.fired_batch = self._batch + 1  # the record below makes this attempt number
         run.worker, run.grace, run.why = None, False, why
+        run.stopping = False  # (a new attempt: nobody is stopping it)
         self._persist_run(run)
         self._enqueue(run)
 
@@ -2017,6 +2018,7 @@ class ShardEngine:
         self._move(run, RunEvent.RETRY)
         self._release_worker(run)
         run.attempt += 1
+        run.stopping = False  # the attempt stopped on a timeout is over; the next has its own
         run.fired_batch = self._batch + 1  # the record below makes this attempt number
         run.due = self._wall + retry_delay_ms(run.policy, nth)
         run.why = f"{why}; retry {nth}"

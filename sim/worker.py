@@ -382,7 +382,8 @@ class SimWorker:
 
     def on_kill(self, run_id: str, token: int) -> None:
         key = (run_id, token)
-        self.unreported.pop(key, None)  # the node has moved on: nothing to report
+        # A final report not yet acknowledged stays: the node may still be waiting for it (an
+        # at-most-once timeout waits for the confirmed kill), and the real worker keeps it.
         task = self.tasks.pop(key, None)
         if task is not None:
             self.k.trace("killed", self.name, run_id, token)

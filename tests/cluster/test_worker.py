@@ -401,8 +401,9 @@ def test_output_for_a_run_that_does_not_exist_is_refused(tmp_path: Path) -> None
                                 {"run_id": rid, "token": 1, "stream": "stdout", "data": b"x"},
                             )
                         assert (refused.value.code, refused.value.field) == ("not_found", "run_id")
-                    page = await client.request("run.logs", {"run_id": "real@1000"})
-                    assert page["chunks"] == []
+                    with pytest.raises(RemoteError) as missing:  # nothing was stored for it
+                        await client.request("run.logs", {"run_id": "real@1000"})
+                    assert missing.value.code == "not_found"
                 nursery.cancel_scope.cancel()
 
     trio.run(main)

@@ -412,3 +412,30 @@ def test_a_job_whose_times_cannot_be_represented_is_refused_and_not_stored(
             {"id": "x", "schedule": schedule, "task": {"command": ["true"]}}, now_ms=node.wall
         )
     assert node.durable_records == []
+
+
+def test_the_retry_after_a_confirmed_timeout_gets_its_own_timeout() -> None:
+    """The attempt stopped on its timeout passes nothing on: its retry is not treated as
+    being stopped (killed at the grace, its kill taken as a confirmed timeout)."""
+    node = Node(config=cfg(worker_lease_ms=3000, reattach_grace_ms=3000, timeout_grace_ms=1000))
+    node.do(WorkerHello("w1", ("default",), 1))
+    once(node, "m", delivery="at_most_once", timeout="60s", on_timeout="retry:2")
+    node.advance(1000)
+    (t,) = node.tickets()
+    node.do(ReportStarted("w1", t.run_id, t.token))
+    for _ in range(62):
+        node.advance(1000)
+        node.do(Heartbeat("w1", ((t.run_id, t.token),)))
+    assert [k.reason for k in node.kills] == ["timed out"]
+    node.do(ReportFinished("w1", t.run_id, t.token, "killed", None))
+    node.do(Pull("w1", 1))
+    second = None
+    for _ in range(30):
+        node.advance(1000)
+        if second is None and len(node.tickets()) == 2:
+            second = node.tickets()[1]
+            node.do(ReportStarted("w1", second.run_id, second.token))
+        node.do(Heartbeat("w1", ((second.run_id, second.token),) if second else ()))
+    assert second is not None and second.attempt == 2
+    assert len(node.kills) == 1  # 30 s into a 60 s timeout: nothing to stop
+    assert node.engine.run_state(second.run_id) is RunState.RUNNING
