@@ -71,6 +71,9 @@ class SyntheticDirectory:
     def ticket_fields(self, key: int) -> tuple[int, str, Any] | None:
         return 1, _job_id(key), {"payload": key}
 
+    def has_run(self, key: int, at: int) -> bool:
+        return False  # the benchmark's jobs are created once
+
 
 def _snapshot(n: int) -> Snapshot:
     """N one-shot jobs of one profile (default policies), as a store would hand them over."""

@@ -37,6 +37,12 @@ class JobDirectory(Protocol):
         answer it without decoding the rest of the spec (policy, schedule, labels)."""
         ...
 
+    def has_run(self, key: int, at: int) -> bool:
+        """Whether a durable record of the run of ``key`` scheduled at ``at`` exists (and was
+        not deleted by retention). Asked only when a create replaces a job (or reuses a
+        cancelled id) with a one-shot time already past."""
+        ...
+
 
 class MemoryDirectory:
     """A :class:`JobDirectory` kept in memory, fed with durable records in log order.
@@ -46,19 +52,25 @@ class MemoryDirectory:
     engine must not hold itself at scale.
     """
 
-    __slots__ = ("_ids", "_specs")
+    __slots__ = ("_ids", "_runs", "_specs")
 
     def __init__(self, records: Iterable[Record] = ()) -> None:
         self._ids: dict[str, int] = {}
         self._specs: dict[int, tuple[int, Mapping[str, Any]]] = {}
+        self._runs: set[tuple[int, int]] = set()
         self.absorb(records)
 
     def absorb(self, records: Iterable[Record]) -> None:
-        """Take in durable records (only ``job`` records matter here)."""
+        """Take in durable records (``job``, ``run`` and ``fire`` records matter here)."""
         for r in records:
-            if r["t"] == "job":
+            kind = r["t"]
+            if kind == "job":
                 self._ids[r["id"]] = r["key"]
                 self._specs[r["key"]] = (r["ver"], r["spec"])
+            elif kind == "run":
+                self._runs.add((r["key"], r["at"]))
+            elif kind == "fire":
+                self._runs.update(zip(r["keys"], r["ats"], strict=True))
 
     def key_of(self, job_id: str) -> int | None:
         return self._ids.get(job_id)
@@ -72,6 +84,9 @@ class MemoryDirectory:
             return None
         version, spec = found
         return version, spec["id"], spec["task"]
+
+    def has_run(self, key: int, at: int) -> bool:
+        return (key, at) in self._runs
 
     def __len__(self) -> int:
         return len(self._specs)

@@ -1213,7 +1213,7 @@ class ShardEngine:
         self._buffered.pop(key, None)
         self._flags[key] = _PAUSED if spec.paused else 0
         self._held_next.pop(key, None)
-        nxt = self._first_due(spec)
+        nxt = self._first_due(spec, existing)
         self._set_next(key, nxt)
         # Not cancelled: its next fire time is now nxt, in the wheel or held while paused.
         self._persist_pos_at(key, nxt)
@@ -1235,12 +1235,25 @@ class ShardEngine:
             run.job_id = job_id
             self._persist_run(run, buffered=self._buffered.get(key) == run.at)
 
-    def _first_due(self, spec: JobSpec) -> int | None:
-        # A one-shot time already past is still owed: the caller asked for that run.
-        nxt = spec.schedule.next_after(self._wall - 1)
-        if nxt is None and isinstance(spec.schedule, AtSchedule):
-            return spec.schedule.next_after(-(2**62))
-        return nxt
+    def _first_due(self, spec: JobSpec, key: int | None = None) -> int | None:
+        """The first fire time a new version owes. ``key``: the job's key when the version
+        replaces another (a replacing create, a create of a cancelled id)."""
+        if isinstance(spec.schedule, AtSchedule):
+            # A one-shot time already past is still owed: the caller asked for that run...
+            at = spec.schedule.next_after(-(2**62))
+            if at is not None and key is not None and self._has_run(key, at):
+                # ...unless this id already has a run at that time: the run id (job id +
+                # time) is the task's idempotency key, and DESIGN makes a repeated creation
+                # a no-op. Firing it again would run that key twice (at-most-once included).
+                return None
+            return at
+        return spec.schedule.next_after(self._wall - 1)
+
+    def _has_run(self, key: int, at: int) -> bool:
+        """A run of ``key`` at ``at``: in memory, or durable in the store. (A run finalized
+        before its creating record is durable never went out: a dispatch waits for that
+        record, so a run that could have executed is always one or the other.)"""
+        return (key, at) in self._runs or self._directory.has_run(key, at)
 
     def _update(self, cmd: UpdateJob) -> None:
         self._reply_after_durable(cmd.request_id, self._update_job(cmd.spec, as_create=False))
@@ -1259,7 +1272,7 @@ class ShardEngine:
         # The new version owes its fire times after now (those of the old version up to now
         # were run or skipped); a replacing create owes what a fresh create would.
         if as_create:
-            nxt = self._first_due(spec)
+            nxt = self._first_due(spec, key)
         else:
             nxt = spec.schedule.next_after(self._wall)
         self._set_next(key, nxt)

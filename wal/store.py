@@ -794,6 +794,11 @@ class ShardStore:
         raw = self._get(_JOBS, codec.i64(key))
         return None if raw is None else _job_ticket_fields(raw)
 
+    def has_run(self, key: int, at: int) -> bool:
+        """Whether the run of ``key`` at ``at`` is stored (retention may have deleted it).
+        One get, of the runs family (no decode)."""
+        return self._get(_RUNS, codec.i64(key) + codec.i64(at)) is not None
+
     def job(self, job_id: str) -> StoredJob | None:
         """The job named ``job_id`` with its position, or None. Three gets."""
         key = self.key_of(job_id)

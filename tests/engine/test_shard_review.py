@@ -439,3 +439,72 @@ def test_the_retry_after_a_confirmed_timeout_gets_its_own_timeout() -> None:
     assert second is not None and second.attempt == 2
     assert len(node.kills) == 1  # 30 s into a 60 s timeout: nothing to stop
     assert node.engine.run_state(second.run_id) is RunState.RUNNING
+
+
+# ------------------------------------- F4: a replacing create never re-fires a time that ran
+
+
+@pytest.mark.parametrize("how", ["replace", "cancel-then-create"])
+def test_a_one_shot_time_its_id_already_ran_is_not_fired_again(how: str) -> None:
+    """The run id (job id + time) is the task's idempotency key, and DESIGN makes a repeated
+    creation a no-op: a new version of the id with the same past time owes nothing."""
+    node = Node()
+    node.do(WorkerHello("w1", ("default",), 5))
+    at = format_utc(node.wall + 1000)
+    node.create(id="m", schedule={"at": at}, delivery="at_most_once")
+    node.advance(1000)
+    (t,) = node.tickets()
+    node.do(ReportFinished("w1", t.run_id, t.token, "success", 0))
+    if how == "replace":
+        reply = node.create(id="m", schedule={"at": at}, delivery="at_most_once", replace=True)
+    else:
+        node.do(CancelJob(node.request(), "m"))
+        reply = node.create(id="m", schedule={"at": at}, delivery="at_most_once")
+    assert reply is not None and reply.result is not None
+    assert reply.result["next_fire_ms"] is None
+    node.advance(1000)
+    assert len(node.tickets()) == 1 and repeated_attempts(node) == {}
+
+
+def test_a_replacing_create_still_owes_a_past_one_shot_time_that_never_ran() -> None:
+    node = Node()
+    node.do(WorkerHello("w1", ("default",), 5))
+    node.create(id="m", schedule={"at": format_utc(node.wall + 60_000)})
+    node.advance(1000)
+    past = format_utc(node.wall - 500)  # a time this id has no run at
+    node.create(id="m", schedule={"at": past}, replace=True)
+    node.advance(1)
+    (t,) = node.tickets()
+    assert t.run_id.startswith("m@")
+
+
+def test_the_store_and_the_memory_directory_know_the_same_runs(tmp_path: object) -> None:
+    """``has_run``: the RocksDB store and the in-memory directory of the tests and the
+    simulation answer alike for fired, finished and never-fired times."""
+    import pathlib
+
+    from engine.directory import MemoryDirectory
+    from wal.store import ShardStore
+
+    node = Node()
+    node.do(WorkerHello("w1", ("default",), 5))
+    once(node, "a")
+    node.create(id="b", schedule={"every": "1s"})
+    node.advance(3000)
+    for t in node.tickets():
+        node.do(ReportFinished("w1", t.run_id, t.token, "success", 0))
+    records = node.durable_records
+    memory = MemoryDirectory(records)
+    store = ShardStore.open(str(pathlib.Path(str(tmp_path)) / "s"), shard=0, shards=1, epoch=1)
+    try:
+        from engine.effects import Persist
+
+        stamped = [dict(r, e=1) if r.get("e") is not None else r for r in records]
+        store.write([Persist(1, 1, tuple(stamped))])
+        times = {(r["key"], r["at"]) for r in records if r["t"] == "run"}
+        assert times
+        probes = times | {(k, at + 1) for k, at in times} | {(99, 0)}
+        for key, at in sorted(probes):
+            assert store.has_run(key, at) == memory.has_run(key, at) == ((key, at) in times)
+    finally:
+        store.close()
