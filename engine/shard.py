@@ -277,6 +277,10 @@ class _Run:
     #: claim's own batch is durable (0: durable). A crash would otherwise forget a run that is
     #: out, or let one attempt number name two dispatches.
     fired_batch: int = 0
+    #: the engine's wall time when this attempt's timeout clock started (its claim, then its
+    #: start report); recorded ("st") while it is in flight, so that a re-attach (after a
+    #: lease lapse, or a restart) resumes that clock instead of starting it again
+    clock_from: int | None = None
 
     @property
     def ref(self) -> RunRef:
@@ -1077,6 +1081,7 @@ class ShardEngine:
             run.due, run.failures, run.timeouts = r["due"], r["fail"], r["tmo"]
             run.source, run.exit, run.why = r["src"], r["exit"], r["why"]
             run.orphan = bool(r.get("cx"))
+            run.clock_from = r.get("st")
             if r.get("spec") is not None:
                 run.pinned = r["spec"]
             if run.source is not None:
@@ -1118,6 +1123,8 @@ class ShardEngine:
             record["buf"] = True
         if run.orphan:
             record["cx"] = True
+        if run.clock_from is not None and run.state._value_ in IN_FLIGHT_VALUES:
+            record["st"] = run.clock_from
         if run.pinned is not None:
             # A run of an older version than the job's: its pinned spec travels with it, so
             # that recovery can rebuild what this run executes.
@@ -1817,7 +1824,12 @@ class ShardEngine:
             # The grace lets the worker's own stop act first; "mark" stops nothing, so the
             # node records TIMED_OUT at the timeout itself.
             grace = 0 if run.policy.on_timeout == "mark" else self.config.timeout_grace_ms
-            self._set_run_timer(run, "timeout", self._mono + timeout + grace)
+            # From when the attempt's clock started (a re-attach resumes it): in wall time,
+            # turned into the monotonic clock the timers run on; a deadline already past
+            # fires at once.
+            started = self._wall if run.clock_from is None else run.clock_from
+            left = max(0, started + timeout + grace - self._wall)
+            self._set_run_timer(run, "timeout", self._mono + left)
 
     # =============================================================== dispatch
 
@@ -1886,6 +1898,7 @@ class ShardEngine:
         run.worker = worker.worker_id
         worker.credits -= 1
         worker.runs.add(run.ref)
+        run.clock_from = self._wall
         self._persist_run(run)
         self._arm_timeout(run)
         policy = run.policy
@@ -1961,6 +1974,7 @@ class ShardEngine:
         run = self._matching(cmd.worker_id, cmd.run_id, cmd.token, "started")
         if run is not None and run.state is RunState.CLAIMED:
             self._move(run, RunEvent.START)
+            run.clock_from = self._wall
             self._persist_run(run)
             self._clear_run_timer(run)
             self._arm_timeout(run)

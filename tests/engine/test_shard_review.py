@@ -508,3 +508,45 @@ def test_the_store_and_the_memory_directory_know_the_same_runs(tmp_path: object)
             assert store.has_run(key, at) == memory.has_run(key, at) == ((key, at) in times)
     finally:
         store.close()
+
+
+# ------------------------------- F7: the node-side timeout resumes its clock at a re-attach
+
+
+@pytest.mark.parametrize("via_snapshot", [False, True])
+def test_the_node_side_timeout_survives_restarts_and_reattaches(via_snapshot: bool) -> None:
+    """DESIGN: no final report by start + timeout + grace. The start time is recorded, so a
+    run re-attached after every restart still times out then, not never."""
+    node = Node(config=cfg(worker_lease_ms=3000, reattach_grace_ms=3000, timeout_grace_ms=1000))
+    node.do(WorkerHello("w1", ("default",), 1))
+    once(node, "a", timeout="5s")
+    node.advance(1000)
+    (t,) = node.tickets()
+    held = ((t.run_id, t.token),)
+    node.do(ReportStarted("w1", t.run_id, t.token))
+    start = node.wall
+    for _ in range(3):
+        for _ in range(5):
+            node.advance(500)
+            node.do(Heartbeat("w1", held))
+        if via_snapshot:
+            node.take_snapshot()
+        node.crash_and_recover(via_snapshot=via_snapshot)
+        node.do(WorkerHello("w1", ("default",), 0, held))
+    assert node.wall - start > 6000  # past start + timeout + grace
+    node.advance(1)
+    assert node.engine.run_state(t.run_id) is None  # timed out
+    assert node.kills[0].reason == "timed out"  # (then "superseded", for later hellos)
+
+
+def test_a_reattach_within_the_lease_grace_keeps_the_deadline() -> None:
+    node = Node(config=cfg(worker_lease_ms=2000, reattach_grace_ms=10_000, timeout_grace_ms=0))
+    node.do(WorkerHello("w1", ("default",), 1))
+    once(node, "b", delivery="at_most_once", timeout="4s", on_timeout="mark")
+    node.advance(1000)
+    (t,) = node.tickets()
+    node.do(ReportStarted("w1", t.run_id, t.token))
+    node.advance(2500)  # the lease lapsed: the run waits for a re-attach
+    node.do(WorkerHello("w1", ("default",), 0, ((t.run_id, t.token),)))
+    node.advance(1600)  # 4.1 s after the start
+    assert node.engine.run_state(t.run_id) is None
