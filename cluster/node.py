@@ -33,7 +33,7 @@ import math
 import os
 import signal
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -138,6 +138,11 @@ class ShardFailed(StoreError):
     its other shards carry on."""
 
     code = "shard_failed"
+
+
+async def _ignore_signals(signals: AsyncIterator[int]) -> None:
+    async for signum in signals:
+        log.info("signal %d: already stopping", signum)
 
 
 def wall_ms() -> int:
@@ -994,24 +999,27 @@ class Node:
         gets the port actually listened on."""
         self.shards, self.epoch = prepare_data_dir(self.data_dir, self.requested_shards)
         token = trio.lowlevel.current_trio_token()
-        try:
-            for index in range(self.shards):
-                self.hosts.append(await trio.to_thread.run_sync(self._open_shard, index, token))
-            if self.freeze_recovered:
-                gc.collect()
-                gc.freeze()
-                # Fewer young collections: a create allocates a dozen short-lived containers
-                # (request, spec, records, reply), so with the default 700 the collector ran
-                # every few dozen creates and, the frozen state left out of its count of old
-                # objects, often went on to a full collection. Measured under create_many
-                # (perf samples of the node): ~17% of its CPU in the collector with the
-                # defaults, ~5% with 50,000. 10,000 costs about as little (node CPU per
-                # create within the noise of 50,000's) and bounds what garbage in a cycle
-                # can pin before a collection: the objects are small, but one may hold a
-                # payload of up to 256 KiB. (Refusals no longer make such cycles: see
-                # _error_reply and engine.shard._bare.)
-                gc.set_threshold(*NODE_GC_THRESHOLDS)
-            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        # Open from the start and through the close: a second SIGTERM (an impatient supervisor)
+        # while the batches finish and the snapshots are written waits in the receiver
+        # instead of killing the process half-way through the close.
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            try:
+                for index in range(self.shards):
+                    self.hosts.append(await trio.to_thread.run_sync(self._open_shard, index, token))
+                if self.freeze_recovered:
+                    gc.collect()
+                    gc.freeze()
+                    # Fewer young collections: a create allocates a dozen short-lived containers
+                    # (request, spec, records, reply), so with the default 700 the collector ran
+                    # every few dozen creates and, the frozen state left out of its count of old
+                    # objects, often went on to a full collection. Measured under create_many
+                    # (perf samples of the node): ~17% of its CPU in the collector with the
+                    # defaults, ~5% with 50,000. 10,000 costs about as little (node CPU per
+                    # create within the noise of 50,000's) and bounds what garbage in a cycle
+                    # can pin before a collection: the objects are small, but one may hold a
+                    # payload of up to 256 KiB. (Refusals no longer make such cycles: see
+                    # _error_reply and engine.shard._bare.)
+                    gc.set_threshold(*NODE_GC_THRESHOLDS)
                 async with trio.open_nursery() as nursery:
                     self.nursery = nursery
                     for host in self.hosts:
@@ -1034,9 +1042,14 @@ class Node:
                         log.info("signal %d: stopping", signum)
                         break
                     nursery.cancel_scope.cancel()
-        finally:
-            with trio.CancelScope(shield=True):
-                await self._close()
+            finally:
+                with trio.CancelScope(shield=True):
+                    async with trio.open_nursery() as closing:
+                        # Consumed, not left queued: the receiver would hand them back to
+                        # the default handler (death) as it closes.
+                        closing.start_soon(_ignore_signals, signals)
+                        await self._close()
+                        closing.cancel_scope.cancel()
 
     def _open_shard(self, index: int, token: trio.lowlevel.TrioToken) -> ShardHost:
         path = self.data_dir / f"shard-{index:03d}"
