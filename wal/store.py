@@ -46,6 +46,7 @@ import operator
 import os
 import struct
 import threading
+import traceback
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -337,7 +338,11 @@ class ShardStore:
             raw = self._cf[_META].get(b"counts")
             self._counts = [0, 0, 0, 0, 0] if raw is None else list(codec.unpack(raw))
             self.logs = RocksLogStore(self._db, self._cf[_LOGS], where, log_limits or LogLimits())
-        except BaseException:
+        except BaseException as exc:
+            # The traceback's frames hold column families in their locals, and rocksdict
+            # keeps the database (and its LOCK) open while any is referenced: a caller that
+            # keeps the exception would keep the directory locked.
+            traceback.clear_frames(exc.__traceback__)
             self._release()
             raise
         return self
@@ -908,7 +913,11 @@ class ShardStore:
         entry cannot be decoded (the tail raises it when it reaches the entry).
         """
         self._db_open()
-        snapshot = self._read_snapshot() if self._snapshot_seq >= 0 else None
+        try:
+            snapshot = self._read_snapshot() if self._snapshot_seq >= 0 else None
+        except BaseException as exc:
+            traceback.clear_frames(exc.__traceback__)  # (column families in locals: see open)
+            raise
         return Recovered(
             epoch=self.epoch,
             previous_epoch=self.previous_epoch,
@@ -1081,29 +1090,40 @@ class ShardStore:
         state are kept (ranges are split around them). One write, not synced (deletion is
         idempotent: a crash only means it is done again). Serialised with writes.
         """
+        if max_entries < 1:
+            raise StoreUsageError(f"max_entries must be at least 1, got {max_entries}")
         report = RetentionReport()
         with self._lock:
             self._check_writable()
-            wb = WriteBatch(raw_mode=True)
-            nruns: dict[int, int] = {}
+            # Each pass its own write: the count pass scans the runs family, which must no
+            # longer hold what the age pass deleted (in one write it counted those twice, and
+            # left the per-job counts low for good).
             if policy.max_age_ms is not None:
+                wb, nruns = WriteBatch(raw_mode=True), {}
                 self._retain_by_age(wb, now_ms - policy.max_age_ms, max_entries, report, nruns)
+                self._write_retention(wb, nruns)
             if policy.max_runs_per_job is not None:
+                wb, nruns = WriteBatch(raw_mode=True), {}
                 self._retain_by_count(wb, policy.max_runs_per_job, report, nruns)
-            if nruns:
-                order = list(nruns)
-                stored = self._multiget(self._cf[_NRUNS], [codec.i64(j) for j in order])
-                for job, raw in zip(order, stored, strict=True):
-                    # keep the newest run time: deleting runs does not make older times new
-                    newest = b"" if raw is None else raw[8:16]
-                    wb.put(codec.i64(job), codec.u64(nruns[job]) + newest, self._h[_NRUNS])
-            if len(wb):
-                self._commit(wb, "deleting old run history", sync=False)
-                # Deleted runs are never held again; forget what the caches say of them.
-                self._run_cls = {}
-                for job in nruns:
-                    self._job_runs.pop(job, None)
+                self._write_retention(wb, nruns)
         return report
+
+    def _write_retention(self, wb: WriteBatch, nruns: dict[int, int]) -> None:
+        """One retention pass's deletions and the run counts they leave, in one write."""
+        if nruns:
+            order = list(nruns)
+            stored = self._multiget(self._cf[_NRUNS], [codec.i64(j) for j in order])
+            for job, raw in zip(order, stored, strict=True):
+                # keep the newest run time: deleting runs does not make older times new
+                newest = b"" if raw is None else raw[8:16]
+                count = max(0, nruns[job])  # (never below zero, whatever went before)
+                wb.put(codec.i64(job), codec.u64(count) + newest, self._h[_NRUNS])
+        if len(wb):
+            self._commit(wb, "deleting old run history", sync=False)
+            # Deleted runs are never held again; forget what the caches say of them.
+            self._run_cls = {}
+            for job in nruns:
+                self._job_runs.pop(job, None)
 
     def _retain_by_age(
         self,

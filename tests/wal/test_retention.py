@@ -134,3 +134,48 @@ def test_a_deleted_run_written_again_is_new_again(tmp_path: Path) -> None:
         )
         assert store.run_count(1) == 4
         assert store.counts.runs_in_flight == 1 and store.counts.runs_pending == 1
+
+
+# Found by review: with both passes in one write, the count pass scanned the runs the age pass
+# was deleting, counted them again, left the per-job count low for good (the cap then went
+# unenforced) and, once an age pass took the count below zero, every retain raised.
+BOTH = Retention(max_age_ms=10 * DAY, max_runs_per_job=24)
+HOUR = 3_600_000
+
+
+def test_age_and_count_in_one_call_count_each_run_once(tmp_path: Path) -> None:
+    with open_store(tmp_path) as store:
+        store.write([created(1)])
+        store.write([batch(10 + d, run(1, T0 + d * DAY, "SUCCESS")) for d in range(10)])
+        report = store.retain(T0 + 15 * DAY, Retention(max_age_ms=10 * DAY, max_runs_per_job=3))
+        left = ats(store, 1)
+        assert left == [T0 + d * DAY for d in (7, 8, 9)]
+        assert store.run_count(1) == 3 and report.runs_deleted == 7
+
+
+def test_counts_stay_true_through_a_backlog_and_later_age_passes(tmp_path: Path) -> None:
+    with open_store(tmp_path) as store:
+        store.write([created(1)])
+        n = 100
+        for h in range(15 * 24):  # fifteen days without a retention pass (a node down)
+            n += 1
+            store.write([batch(n, run(1, T0 + h * HOUR, "SUCCESS"))])
+        store.retain(T0 + 15 * DAY, BOTH)
+        assert store.run_count(1) == len(ats(store, 1)) == 24
+        for h in range(15 * 24, 17 * 24):
+            n += 1
+            store.write([batch(n, run(1, T0 + h * HOUR, "SUCCESS"))])
+            if h % 6 == 5:
+                store.retain(T0 + h * HOUR, BOTH)
+                assert store.run_count(1) == len(ats(store, 1)) <= 24
+        store.retain(T0 + 40 * DAY, BOTH)  # everything aged out: no count below zero
+        assert store.run_count(1) == len(ats(store, 1)) == 0
+
+
+def test_max_entries_below_one_is_a_usage_error(tmp_path: Path) -> None:
+    import pytest
+
+    from wal.errors import StoreUsageError
+
+    with open_store(tmp_path) as store, pytest.raises(StoreUsageError):
+        store.retain(T0, AGE, max_entries=0)

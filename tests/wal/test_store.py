@@ -511,3 +511,42 @@ def test_the_jobs_row_is_the_encoding_of_version_spec_id(
         latest = store.latest(key)
         assert latest is not None and latest == (ver, spec)
         assert store.key_of(job_id) == key
+
+
+def test_a_refused_open_leaves_the_directory_unlocked_while_its_error_lives(
+    tmp_path: Path,
+) -> None:
+    """rocksdict keeps a database (and its LOCK) open while a column family is referenced,
+    and the frames of a kept exception held some: a driver that logs or keeps the error
+    could not open the directory again (found by review)."""
+    from wal.errors import StaleEpoch
+
+    ShardStore.open(tmp_path, shard=0, shards=1, epoch=3).close()
+    kept: list[BaseException] = []
+    try:
+        ShardStore.open(tmp_path, shard=0, shards=1, epoch=2)
+    except StaleEpoch as exc:
+        kept.append(exc)
+    ShardStore.open(tmp_path, shard=0, shards=1, epoch=4).close()
+    assert kept
+
+
+def test_a_failed_load_leaves_the_directory_unlocked_once_closed(tmp_path: Path) -> None:
+    import numpy as np
+
+    from wal import codec
+    from wal.errors import Corrupt
+
+    with ShardStore.open(tmp_path, shard=0, shards=1, epoch=1) as s:
+        s.write([created(1)])
+        s.write_snapshot(1, {"a": np.arange(10)}, {})
+        s._cf[9].delete(codec.u64(1) + b"a" + b"a\0" + codec.u32(0))  # lose a chunk
+    s = ShardStore.open(tmp_path, shard=0, shards=1, epoch=2)
+    kept: list[BaseException] = []
+    try:
+        s.load()
+    except Corrupt as exc:
+        kept.append(exc)
+    s.close()
+    ShardStore.open(tmp_path, shard=0, shards=1, epoch=3).close()
+    assert kept
