@@ -1098,6 +1098,7 @@ class ShardStore:
             # Each pass its own write: the count pass scans the runs family, which must no
             # longer hold what the age pass deleted (in one write it counted those twice, and
             # left the per-job counts low for good).
+            nruns: dict[int, int]
             if policy.max_age_ms is not None:
                 wb, nruns = WriteBatch(raw_mode=True), {}
                 self._retain_by_age(wb, now_ms - policy.max_age_ms, max_entries, report, nruns)
