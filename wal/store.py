@@ -766,8 +766,18 @@ class ShardStore:
     # ================================================================= JobDirectory and queries
 
     def _db_open(self) -> Rdict:
+        """The database, for a read. After a failed write, reads are refused as writes are:
+        the failed group's write may be in the database without its fsync (an unsynced write
+        comes first, see :meth:`_commit`), and an answer must never rest on what was not
+        acknowledged durable."""
         if self._db is None:
             raise StoreClosed("the shard store is closed", path=self.path)
+        if self._failed is not None:
+            raise type(self._failed)(
+                f"the store failed earlier and refuses reads until reopened: "
+                f"{self._failed.message}",
+                path=self.path,
+            )
         return self._db
 
     def _get(self, cf: int, key: bytes) -> bytes | None:

@@ -11,6 +11,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -186,3 +187,38 @@ def test_a_torn_tail_of_the_log_is_a_batch_never_acknowledged(tmp_path: Path) ->
         keys = [b for _s, b, _e, _r in store.log_batches()]
         assert keys == list(range(99))  # the torn batch is gone, whole; the rest is there
         assert store.key_of("job-98") == 98 and store.key_of("job-99") is None
+
+
+def test_after_a_failed_fsync_reads_are_refused_too(tmp_path: Path) -> None:
+    """The group's write goes in unsynced before its fsync (see ShardStore._commit); when the
+    fsync fails, the ticket fails, and a reader must not be answered with that write either
+    (found by review: a job whose create failed was served to readers)."""
+    from tests.wal.records import created
+    from wal.commit import GroupCommitter
+    from wal.errors import StoreFailure
+    from wal.store import ShardStore
+
+    class FailingFsync:
+        def __init__(self, db: Any) -> None:
+            self._db = db
+
+        def flush_wal(self, sync: bool) -> None:
+            raise Exception("IO error: While fdatasync: /x/000004.log: Input/output error")
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._db, name)
+
+    store = ShardStore.open(tmp_path, shard=0, shards=1, epoch=1)
+    real = store._db
+    try:
+        store.write([created(1)])
+        store._db = FailingFsync(real)
+        with GroupCommitter(store) as committer, pytest.raises(StoreFailure):
+            committer.submit(created(2, batch_id=2)).wait(5)
+        with pytest.raises(StoreFailure):
+            store.job("job-2")
+        with pytest.raises(StoreFailure):
+            store.job("job-1")  # refused as well: the store is failed until reopened
+    finally:
+        store._db = real
+        store.close()
