@@ -244,6 +244,13 @@ class RocksLogStore:
             self.drop_into(batch, key, lo, hi)
             self._write(batch, f"dropping the logs of job {key} runs in [{lo}, {hi})")
 
+    @property
+    def exclusive(self) -> threading.Lock:
+        """Held by the shard store around a retention write whose batch drops logs: an append
+        that read a run's log state before the drop would otherwise write it back after it,
+        and no later pass would find that run's logs again."""
+        return self._lock
+
     def drop_into(self, batch: WriteBatch, key: int, lo: int, hi: int) -> None:
         """Add the deletion of job ``key``'s run logs in ``[lo, hi)`` to ``batch`` (the shard
         store's own batch, so that runs and their logs go in one atomic write). ``hi`` may be

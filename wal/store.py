@@ -1103,7 +1103,9 @@ class ShardStore:
         if max_entries < 1:
             raise StoreUsageError(f"max_entries must be at least 1, got {max_entries}")
         report = RetentionReport()
-        with self._lock:
+        # The log store's lock too (always after the store's; an append takes only it):
+        # see RocksLogStore.exclusive.
+        with self._lock, self.logs.exclusive:
             self._check_writable()
             # Each pass its own write: the count pass scans the runs family, which must no
             # longer hold what the age pass deleted (in one write it counted those twice, and

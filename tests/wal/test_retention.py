@@ -179,3 +179,41 @@ def test_max_entries_below_one_is_a_usage_error(tmp_path: Path) -> None:
 
     with open_store(tmp_path) as store, pytest.raises(StoreUsageError):
         store.retain(T0, AGE, max_entries=0)
+
+
+def test_an_append_racing_retention_leaves_no_logs_behind(tmp_path: Path) -> None:
+    """Found by review: an append that had read a run's log state when retention dropped the
+    run wrote the state and its chunk back, and no later pass ever found them (the run and
+    its index entry were gone). Retention now holds the log store's lock for its write."""
+    import threading
+
+    with open_store(tmp_path) as store:
+        store.write([created(1)])
+        store.write([batch(2, run(1, T0, "SUCCESS"))])
+        store.logs.append(1, T0, "stdout", b"its output\n")
+        read_state, go_on = threading.Event(), threading.Event()
+        real_get = store.logs._get
+
+        def paused_get(key: bytes) -> bytes | None:
+            value = real_get(key)
+            read_state.set()  # the append has read the state...
+            go_on.wait(2)  # ...and retention gets its chance now
+            return value
+
+        store.logs._get = paused_get  # type: ignore[method-assign]
+        late = threading.Thread(
+            target=store.logs.append, args=(1, T0, "stdout", b"late\n"), kwargs={"attempt": 2}
+        )
+        late.start()
+        assert read_state.wait(5)
+        retention = threading.Thread(
+            target=store.retain, args=(T0 + 40 * DAY, Retention(max_age_ms=30 * DAY))
+        )
+        retention.start()
+        retention.join(0.3)  # it waits for the append to finish (with the fix)
+        go_on.set()
+        late.join(5)
+        retention.join(5)
+        del store.logs._get
+        assert store.run(1, T0) is None
+        assert store.logs.read(1, T0).chunks == []
