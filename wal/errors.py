@@ -142,7 +142,11 @@ _PATTERNS: tuple[tuple[tuple[str, ...], type[StoreFailure]], ...] = (
     (("Read-only file system", "Permission denied", "Operation not permitted"), ReadOnly),
     (("lock hold by", "While lock file"), StoreLocked),
     (("No space left", "File too large", "Disk quota exceeded", "NoSpace"), DiskFull),
-    (("Corruption", "corrupt", "checksum mismatch", "MANIFEST-", "CURRENT"), Corrupt),
+    (("Corruption", "corrupt", "checksum mismatch"), Corrupt),
+    # A failing device names the file it failed on: an EIO on the MANIFEST is the disk's
+    # trouble, not a corrupt store (found by review).
+    (("Input/output error",), StoreIOError),
+    (("MANIFEST-", "CURRENT"), Corrupt),
 )
 
 

@@ -222,3 +222,20 @@ def test_after_a_failed_fsync_reads_are_refused_too(tmp_path: Path) -> None:
     finally:
         store._db = real
         store.close()
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("IO error: While appending to file: /d/MANIFEST-000005: Input/output error", "store_io"),
+        ("Corruption: bad record length in MANIFEST-000005", "corrupt"),
+        ("IO error: No such file or directory: While opening a file: /d/CURRENT", "corrupt"),
+        ("IO error: While fdatasync: /d/000004.log: Input/output error", "store_io"),
+    ],
+)
+def test_rocksdb_errors_are_typed_by_their_cause_not_the_file_they_name(
+    text: str, expected: str
+) -> None:
+    from wal.errors import translate
+
+    assert translate(Exception(text), path="/d", doing="writing").code == expected
