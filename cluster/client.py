@@ -196,12 +196,13 @@ class Client:
         self._outbox = outbox = Outbox(RawSocketIO(stream))
         self.generation += 1
         assert self._nursery is not None
-        self._nursery.start_soon(self._reader, stream)
-        self._nursery.start_soon(self._writer, stream, outbox)
+        writing = trio.CancelScope()
+        self._nursery.start_soon(self._reader, stream, writing)
+        self._nursery.start_soon(self._writer, stream, outbox, writing)
         if announce:
             self._connected.set()
 
-    async def _reader(self, stream: trio.SocketStream) -> None:
+    async def _reader(self, stream: trio.SocketStream, writing: trio.CancelScope) -> None:
         decoder = FrameDecoder(self.max_frame)
         io = RawSocketIO(stream)
         try:
@@ -229,6 +230,12 @@ class Client:
                         waiter(event)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             pass
+        # The connection is done with: its writer and its socket go too (a writer parked for
+        # frames that will never come, and a socket in CLOSE-WAIT, per lost connection).
+        writing.cancel()
+        with trio.move_on_after(1) as scope:
+            scope.shield = True
+            await stream.aclose()
         if self._stream is stream:
             self._stream = None
             self._outbox = None
@@ -238,13 +245,16 @@ class Client:
                 assert self._nursery is not None
                 self._nursery.start_soon(self._reconnect)
 
-    async def _writer(self, stream: trio.SocketStream, outbox: Outbox) -> None:
+    async def _writer(
+        self, stream: trio.SocketStream, outbox: Outbox, writing: trio.CancelScope
+    ) -> None:
         """Sends what requests queued: everything queued while the previous send was in flight
         leaves in one send (many requests in flight cost few system calls, and a request
         never waits for a lock). A failed send closes the stream: the reader then fails every
         request waiting, which are retried after the reconnect."""
         try:
-            await outbox.run()
+            with writing:
+                await outbox.run()
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             with trio.move_on_after(1) as scope:
                 scope.shield = True

@@ -222,15 +222,21 @@ class WorkerAgent:
 
     async def _hello(self) -> None:
         sent = _mono_ms()
+        slots = self._free()
         result = await self.client.request(
             "worker.hello",
             {
                 "worker_id": self.worker_id,
                 "tiers": list(self.tiers),
-                "slots": self._free(),
+                "slots": slots,
                 "held": self._held_list(),
             },
         )
+        if self._free() != slots:
+            # Slots freed (or taken) while the hello was out (the tasks a fence killed end a
+            # moment after it; a resent frame can land after a newer hello): the node hears
+            # the count now, or it would wait with a stale one until the next report.
+            self._tell_free()
         self.lease_ms = int(result["lease_ms"])
         self.shards = int(result.get("shards", 0))
         self._acked(sent)
@@ -489,8 +495,19 @@ class WorkerAgent:
                 else:
                     outcome, code = "killed", None
                     with trio.CancelScope() as held.scope:  # a kill or a fence cancels it
-                        code = await self.payload_handler(ticket, on_output)
-                        outcome = "success" if code == 0 else "failed"
+                        try:
+                            code = await self.payload_handler(ticket, on_output)
+                            outcome = "success" if code == 0 else "failed"
+                        except Exception as exc:
+                            # User code's failure is the run's, never the worker's: the agent
+                            # and its other runs carry on (a raise that ended the agent made
+                            # every worker that took the run again die as well).
+                            log.exception("payload handler failed on %s", rid)
+                            line = (
+                                f"tickwheel: payload handler raised {type(exc).__name__}: {exc}\n"
+                            )
+                            await on_output("stderr", line.encode(errors="replace"))
+                            outcome, code = "failed", None
                     held.scope = None
             else:
                 # "mark": the node records TIMED_OUT; the task runs on to its own end.
@@ -511,7 +528,19 @@ class WorkerAgent:
         self.completed += 1
         if held.gone is None:
             self._send_finished(rid)
-        # else superseded or fenced: no longer held, and its report would not count
+        else:
+            # Superseded or fenced: no longer held, and its report would not count. Its slot
+            # is free again, which no report will say: a pull does (else, after a fence, the
+            # node kept this worker at no credits and it stood idle).
+            self._tell_free()
+
+    def _tell_free(self) -> None:
+        """Tell the node this worker's free slots now (``worker.pull``, unanswered); without
+        a connection, the hello after the reconnect says it."""
+        try:
+            self.client.notify("worker.pull", {"credits": self._free()})
+        except ClientError as exc:
+            log.warning("worker.pull: %s", exc)
 
     @staticmethod
     def _report_of(rid: str, held: _Held) -> dict[str, Any]:

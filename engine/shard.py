@@ -105,7 +105,7 @@ from engine.runs import (
     run_id,
     transition,
 )
-from engine.schedules import AtSchedule, Schedule, parse_schedule
+from engine.schedules import AtSchedule, EverySchedule, Schedule, parse_schedule
 from engine.snapshot import Snapshot
 from engine.wheel import NOT_PENDING, TimingWheel
 
@@ -1254,7 +1254,20 @@ class ShardEngine:
                 # a no-op. Firing it again would run that key twice (at-most-once included).
                 return None
             return at
-        return spec.schedule.next_after(self._wall - 1)
+        schedule = spec.schedule
+        if isinstance(schedule, EverySchedule):
+            # Its first time a moment ago is owed, as any fire less than misfire_ms late is:
+            # the default start is the node's clock when the request arrived, and this turn
+            # comes later (dropping it silently lost the first fire of most bulk creates).
+            first = schedule.next_after(schedule.start_ms - 1)
+            if (
+                first is not None
+                and first < self._wall
+                and self._wall - first <= self.config.misfire_ms
+                and not (key is not None and self._has_run(key, first))
+            ):
+                return first
+        return schedule.next_after(self._wall - 1)
 
     def _has_run(self, key: int, at: int) -> bool:
         """A run of ``key`` at ``at``: in memory, or durable in the store. (A run finalized

@@ -141,3 +141,48 @@ def test_a_create_whose_reply_was_lost_returns_its_job_once_retried(tmp_path: Pa
         assert (await direct.get("mine"))["spec"]["timeout"] == "1h30m"
 
     run_with_proxy(tmp_path, body)
+
+
+def test_a_lost_connection_leaves_no_socket_or_writer_behind() -> None:
+    """Found by a second adversarial pass: on a peer's close the reader reconnected without
+    closing the old socket (CLOSE-WAIT) or ending its writer, one each per lost connection:
+    a long-lived worker leaked them at every node restart."""
+    import os
+
+    from cluster.client import Client
+
+    def sockets() -> int:
+        fds = os.listdir("/proc/self/fd")
+        links = []
+        for fd in fds:
+            try:
+                links.append(os.readlink(f"/proc/self/fd/{fd}"))
+            except OSError:
+                continue
+        return sum(1 for link in links if link.startswith("socket:"))
+
+    async def main() -> None:
+        accepted = 0
+
+        async def hang_up(stream: trio.SocketStream) -> None:
+            nonlocal accepted
+            accepted += 1
+            await trio.sleep(0.05)
+            await stream.aclose()
+
+        async with trio.open_nursery() as nursery:
+            listeners = await nursery.start(partial(trio.serve_tcp, hang_up, 0, host="127.0.0.1"))
+            port = listeners[0].socket.getsockname()[1]
+            async with Client.connect("127.0.0.1", port) as client:
+                await trio.sleep(0.2)
+                before = sockets()
+                assert client._nursery is not None
+                tasks_before = len(client._nursery.child_tasks)
+                while client.generation < 8:
+                    await trio.sleep(0.02)
+                await trio.sleep(0.2)
+                assert sockets() - before <= 2  # (the live connection, both ends in-process)
+                assert len(client._nursery.child_tasks) <= tasks_before + 2
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)

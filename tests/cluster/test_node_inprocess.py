@@ -486,3 +486,68 @@ def test_a_final_report_a_failed_shard_did_not_take_is_kept(
             nursery.cancel_scope.cancel()
 
     run_with_node(tmp_path, body)
+
+
+def test_a_payload_handler_that_raises_fails_its_run_and_the_worker_carries_on(
+    tmp_path: Path,
+) -> None:
+    """User code's exception is the run's failure, never the worker's: the agent keeps
+    serving (a raise that ended the agent made each worker taking the run again die too)."""
+
+    async def handler(ticket: RunTicket, out: Callable[[str, bytes], Awaitable[None]]) -> int:
+        if ticket.task["payload"] == "raise":
+            raise ValueError("a bug in user code")
+        return 0
+
+    async def body(client: Client, port: int) -> None:
+        agent = WorkerAgent("127.0.0.1", port, worker_id="w-raise", payload_handler=handler)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(agent.run)
+            await client.create({"id": "boom", "schedule": soon(0.1), "task": {"payload": "raise"}})
+            (failed,) = await settle(client, "boom")
+            assert failed["state"] == "FAILED"
+            page = await client.logs(failed["run_id"])
+            assert b"ValueError: a bug in user code" in b"".join(c["data"] for c in page["chunks"])
+            await client.create({"id": "after", "schedule": soon(0.1), "task": {"payload": 1}})
+            (ok,) = await settle(client, "after")
+            assert ok["state"] == "SUCCESS"
+            nursery.cancel_scope.cancel()
+
+    run_with_node(tmp_path, body)
+
+
+def test_a_worker_that_fenced_itself_takes_runs_again(tmp_path: Path) -> None:
+    """The tasks a fence kills end unreported: their slots come back with a pull, or the node
+    kept the worker at no credits and it stood idle for good."""
+    started = trio.Event()
+
+    async def handler(ticket: RunTicket, out: Callable[[str, bytes], Awaitable[None]]) -> int:
+        if ticket.task["payload"] == "long":
+            started.set()
+            await trio.sleep(60)
+        return 0
+
+    async def body(client: Client, port: int) -> None:
+        agent = WorkerAgent(
+            "127.0.0.1", port, worker_id="w-fence", slots=1, payload_handler=handler
+        )
+        async with trio.open_nursery() as nursery:
+            await nursery.start(agent.run)
+            await client.create(  # at-most-once: the run the fence kills does not come back
+                {
+                    "id": "long",
+                    "schedule": soon(0.1),
+                    "task": {"payload": "long"},
+                    "delivery": "at_most_once",
+                }
+            )
+            await started.wait()
+            agent._fence()  # as when no heartbeat was acknowledged within the lease
+            await trio.sleep(0.5)
+            await client.create({"id": "next", "schedule": soon(0.1), "task": {"payload": 1}})
+            with trio.fail_after(10):
+                (ok,) = await settle(client, "next")
+            assert ok["state"] == "SUCCESS"
+            nursery.cancel_scope.cancel()
+
+    run_with_node(tmp_path, body)

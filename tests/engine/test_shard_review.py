@@ -550,3 +550,28 @@ def test_a_reattach_within_the_lease_grace_keeps_the_deadline() -> None:
     node.do(WorkerHello("w1", ("default",), 0, ((t.run_id, t.token),)))
     node.advance(1600)  # 4.1 s after the start
     assert node.engine.run_state(t.run_id) is None
+
+
+# -------------------- an every-job's first time, a moment before the turn that creates it
+
+
+def test_an_every_jobs_start_a_moment_ago_is_owed() -> None:
+    """Found by a second adversarial pass: the default start is the node's clock when the
+    request arrived, and the shard's turn comes a few ms later; the first fire was dropped
+    (neither run nor skipped) for most bulk-created every-jobs."""
+    node = Node()
+    node.do(WorkerHello("w1", ("default",), 5))
+    start = node.wall - 5
+    reply = node.create(id="e", schedule={"every": "3s", "start": format_utc(start)})
+    assert reply is not None and reply.result is not None
+    assert reply.result["next_fire_ms"] == start
+    node.advance(1)
+    assert [t.scheduled_ms for t in node.tickets()] == [start]
+
+
+def test_an_every_jobs_start_long_past_is_not_caught_up_at_creation() -> None:
+    node = Node()
+    start = node.wall - 10 * 60_000  # ten minutes ago: beyond misfire_ms
+    reply = node.create(id="e", schedule={"every": "3s", "start": format_utc(start)})
+    assert reply is not None and reply.result is not None
+    assert reply.result["next_fire_ms"] >= node.wall  # the next time from now on
