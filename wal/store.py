@@ -788,6 +788,16 @@ class ShardStore:
             raise translate(exc, path=self.path, doing=f"reading {COLUMN_FAMILIES[cf]}") from exc
         return value
 
+    def _decode(self, raw: bytes) -> Any:
+        """A stored value, for a query: one that cannot be decoded is :class:`Corrupt` (typed,
+        as every failure of the store), not the codec's own exception."""
+        try:
+            return codec.unpack(raw)
+        except Exception as exc:
+            raise Corrupt(
+                f"a stored value cannot be decoded ({type(exc).__name__}: {exc})", path=self.path
+            ) from None
+
     def key_of(self, job_id: str) -> int | None:
         """The dense key of ``job_id``, or None when no durable record names it. One get."""
         raw = self._get(_INDEX, job_id.encode())
@@ -798,7 +808,7 @@ class ShardStore:
         raw = self._get(_JOBS, codec.i64(key))
         if raw is None:
             return None
-        version, spec, _id = codec.unpack(raw)
+        version, spec, _id = self._decode(raw)
         return version, spec
 
     def ticket_fields(self, key: int) -> tuple[int, str, Any] | None:
@@ -824,9 +834,9 @@ class ShardStore:
         raw = self._get(_JOBS, codec.i64(key))
         if raw is None:
             return None
-        version, spec, job_id = codec.unpack(raw)
+        version, spec, job_id = self._decode(raw)
         pos = self._get(_POS, codec.i64(key))
-        return StoredJob(key, job_id, version, spec, None if pos is None else codec.unpack(pos[1:]))
+        return StoredJob(key, job_id, version, spec, None if pos is None else self._decode(pos[1:]))
 
     def jobs(self, *, after: int | None = None, limit: int = 100) -> list[StoredJob]:
         """Jobs in key order (creation order), starting after key ``after``; at most ``limit``.
@@ -834,12 +844,12 @@ class ShardStore:
         lo = codec.I64_MIN if after is None else after + 1
         out: list[StoredJob] = []
         for k, v in self._scan(_JOBS, codec.i64(lo), None, limit=limit):
-            version, spec, job_id = codec.unpack(v)
+            version, spec, job_id = self._decode(v)
             key = codec.read_i64(k)
             pos = self._get(_POS, k)
             out.append(
                 StoredJob(
-                    key, job_id, version, spec, None if pos is None else codec.unpack(pos[1:])
+                    key, job_id, version, spec, None if pos is None else self._decode(pos[1:])
                 )
             )
         return out
@@ -847,14 +857,14 @@ class ShardStore:
     def run(self, key: int, at: int) -> Record | None:
         """The newest record of run ``(key, at)``, or None. One get."""
         raw = self._get(_RUNS, codec.i64(key) + codec.i64(at))
-        return None if raw is None else dict(codec.unpack(raw[1:]))
+        return None if raw is None else dict(self._decode(raw[1:]))
 
     def last_runs(self, key: int, n: int = 20, *, before: int | None = None) -> list[Record]:
         """The newest ``n`` runs of job ``key`` scheduled before ``before`` (all when None),
         newest first. One reverse range scan of n entries."""
         hi = _bound(key, codec.I64_MAX + 1 if before is None else before)
         lo = codec.i64(key) + codec.LOW8
-        return [codec.unpack(v[1:]) for _k, v in self._scan(_RUNS, lo, hi, limit=n, reverse=True)]
+        return [self._decode(v[1:]) for _k, v in self._scan(_RUNS, lo, hi, limit=n, reverse=True)]
 
     def history(self, key: int, n: int = 50, *, before: int | None = None) -> list[Record]:
         """The newest ``n`` history entries (``skip`` records by their first time, ``note``
@@ -862,7 +872,7 @@ class ShardStore:
         reverse range scan."""
         hi = _bound(key, codec.I64_MAX + 1 if before is None else before)
         lo = codec.i64(key) + codec.LOW8
-        return [codec.unpack(v) for _k, v in self._scan(_HISTORY, lo, hi, limit=n, reverse=True)]
+        return [self._decode(v) for _k, v in self._scan(_HISTORY, lo, hi, limit=n, reverse=True)]
 
     def run_count(self, key: int) -> int:
         """Runs stored for job ``key`` (what count retention trims). One get. The count is

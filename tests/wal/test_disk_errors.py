@@ -239,3 +239,20 @@ def test_rocksdb_errors_are_typed_by_their_cause_not_the_file_they_name(
     from wal.errors import translate
 
     assert translate(Exception(text), path="/d", doing="writing").code == expected
+
+
+def test_a_value_that_cannot_be_decoded_is_corrupt_not_a_codec_error(tmp_path: Path) -> None:
+    """Found by review: a garbage value in the jobs family surfaced as msgpack's own
+    exception from the queries; every failure of the store is typed."""
+    from tests.wal.records import created
+    from wal import codec
+    from wal.errors import Corrupt
+    from wal.store import ShardStore
+
+    with ShardStore.open(tmp_path, shard=0, shards=1, epoch=1) as store:
+        store.write([created(1)])
+        store._cf[1].put(codec.i64(1), b"\xc1")  # job 1's row in the jobs family; never valid
+        with pytest.raises(Corrupt):
+            store.job_by_key(1)
+        with pytest.raises(Corrupt):
+            store.latest(1)
