@@ -521,7 +521,13 @@ class ShardHost:
 
     def fail_on_bug(self, exc: Exception, where: str) -> None:
         """An unexpected exception (a bug) met by this shard's work ``where``: logged with
-        its traceback, and the shard stops with :class:`ShardFailed`."""
+        its traceback, and the shard stops with :class:`ShardFailed`. A store failure met
+        there (a read of a store that failed a write a moment ago) is no bug: the shard stops
+        with it, and its code (``disk_full``, ``store_io``...) is what clients are told."""
+        if isinstance(exc, StoreError):
+            log.error("shard %d: store failure %s: %s", self.index, where, exc)
+            self._fail(exc)
+            return
         log.error("shard %d: unexpected error %s", self.index, where, exc_info=exc)
         self._fail(ShardFailed(f"shard {self.index} stopped on a bug: {type(exc).__name__}"))
 

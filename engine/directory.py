@@ -38,9 +38,11 @@ class JobDirectory(Protocol):
         ...
 
     def has_run(self, key: int, at: int) -> bool:
-        """Whether a durable record of the run of ``key`` scheduled at ``at`` exists (and was
-        not deleted by retention). Asked only when a create replaces a job (or reuses a
-        cancelled id) with a one-shot time already past."""
+        """Whether a durable record says the run of ``key`` scheduled at ``at`` went out
+        (was claimed at least once; a run that only fired, and was cancelled or skipped
+        before any worker had it, did not), and retention has not deleted it. Asked only
+        when a create replaces a job (or reuses a cancelled id) with a one-shot time already
+        past."""
         ...
 
 
@@ -61,16 +63,15 @@ class MemoryDirectory:
         self.absorb(records)
 
     def absorb(self, records: Iterable[Record]) -> None:
-        """Take in durable records (``job``, ``run`` and ``fire`` records matter here)."""
+        """Take in durable records (``job`` records, and ``run`` records of runs that went
+        out)."""
         for r in records:
             kind = r["t"]
             if kind == "job":
                 self._ids[r["id"]] = r["key"]
                 self._specs[r["key"]] = (r["ver"], r["spec"])
-            elif kind == "run":
-                self._runs.add((r["key"], r["at"]))
-            elif kind == "fire":
-                self._runs.update(zip(r["keys"], r["ats"], strict=True))
+            elif kind == "run" and (r.get("tok") or r.get("att", 1) > 1):
+                self._runs.add((r["key"], r["at"]))  # (fires are PENDING: never out yet)
 
     def key_of(self, job_id: str) -> int | None:
         return self._ids.get(job_id)

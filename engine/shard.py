@@ -1248,7 +1248,7 @@ class ShardEngine:
         if isinstance(spec.schedule, AtSchedule):
             # A one-shot time already past is still owed: the caller asked for that run...
             at = spec.schedule.next_after(-(2**62))
-            if at is not None and key is not None and self._has_run(key, at):
+            if at is not None and key is not None and at <= self._wall and self._ran(key, at):
                 # ...unless this id already has a run at that time: the run id (job id +
                 # time) is the task's idempotency key, and DESIGN makes a repeated creation
                 # a no-op. Firing it again would run that key twice (at-most-once included).
@@ -1264,16 +1264,20 @@ class ShardEngine:
                 first is not None
                 and first < self._wall
                 and self._wall - first <= self.config.misfire_ms
-                and not (key is not None and self._has_run(key, first))
+                and not (key is not None and self._ran(key, first))
             ):
                 return first
         return schedule.next_after(self._wall - 1)
 
-    def _has_run(self, key: int, at: int) -> bool:
-        """A run of ``key`` at ``at``: in memory, or durable in the store. (A run finalized
-        before its creating record is durable never went out: a dispatch waits for that
-        record, so a run that could have executed is always one or the other.)"""
-        return (key, at) in self._runs or self._directory.has_run(key, at)
+    def _ran(self, key: int, at: int) -> bool:
+        """The run of ``key`` at ``at`` went out to a worker: in memory past PENDING (or on
+        a later attempt), or so recorded in the store. A run that only fired (cancelled or
+        skipped before any worker had it) did not: its time may be owed again. (A claim's
+        record is durable before, or with, anything the run's worker does.)"""
+        run = self._runs.get((key, at))
+        if run is not None:
+            return run.state is not RunState.PENDING or run.attempt > 1
+        return self._directory.has_run(key, at)
 
     def _update(self, cmd: UpdateJob) -> None:
         self._reply_after_durable(cmd.request_id, self._update_job(cmd.spec, as_create=False))

@@ -820,9 +820,11 @@ class ShardStore:
         return None if raw is None else _job_ticket_fields(raw)
 
     def has_run(self, key: int, at: int) -> bool:
-        """Whether the run of ``key`` at ``at`` is stored (retention may have deleted it).
-        One get, of the runs family (no decode)."""
-        return self._get(_RUNS, codec.i64(key) + codec.i64(at)) is not None
+        """Whether the run of ``key`` at ``at`` is stored as having gone out (claimed at
+        least once: a token), not merely fired; retention may have deleted it. One get and a
+        decode."""
+        raw = self._get(_RUNS, codec.i64(key) + codec.i64(at))
+        return raw is not None and _went_out(self._decode(raw[1:]))
 
     def job(self, job_id: str) -> StoredJob | None:
         """The job named ``job_id`` with its position, or None. Three gets."""
@@ -1113,9 +1115,7 @@ class ShardStore:
         if max_entries < 1:
             raise StoreUsageError(f"max_entries must be at least 1, got {max_entries}")
         report = RetentionReport()
-        # The log store's lock too (always after the store's; an append takes only it):
-        # see RocksLogStore.exclusive.
-        with self._lock, self.logs.exclusive:
+        with self._lock:
             self._check_writable()
             # Each pass its own write: the count pass scans the runs family, which must no
             # longer hold what the age pass deleted (in one write it counted those twice, and
@@ -1142,7 +1142,13 @@ class ShardStore:
                 count = max(0, nruns[job])  # (never below zero, whatever went before)
                 wb.put(codec.i64(job), codec.u64(count) + newest, self._h[_NRUNS])
         if len(wb):
-            self._commit(wb, "deleting old run history", sync=False)
+            # Under the log store's lock too (taken after the store's; an append takes only
+            # it), for the write alone: an append between its read of a run's log state and
+            # its write would otherwise bring a dropped run's logs back (see
+            # RocksLogStore.exclusive). Not for the pass: appends come from the node's event
+            # loop, which must not wait for a scan.
+            with self.logs.exclusive:
+                self._commit(wb, "deleting old run history", sync=False)
             # Deleted runs are never held again; forget what the caches say of them.
             self._run_cls = {}
             for job in nruns:
@@ -1248,6 +1254,11 @@ class ShardStore:
 
 
 # ===================================================================== helpers
+
+
+def _went_out(run: Record) -> bool:
+    """A run record of a run that was claimed at least once (its token, or a later attempt)."""
+    return bool(run.get("tok")) or run.get("att", 1) > 1
 
 
 def _job_ticket_fields(raw: bytes) -> tuple[int, str, Any]:

@@ -376,3 +376,39 @@ def test_a_clean_stop_with_commits_in_flight_stores_every_final_snapshot(
     trio.run(main)
     assert failures == []
     assert sorted(snapshots) == [0, 1]
+
+
+def test_a_store_failure_met_in_a_turn_keeps_its_code(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A turn that reads a store which failed a write a moment ago meets the store's typed
+    failure: the shard stops with it (clients are told ``disk_full``), not as a bug
+    (``shard_failed``). Found by review."""
+    from wal.errors import DiskFull
+
+    boom = next(f"full-{i}" for i in range(1000) if shard_of(f"full-{i}", 2) == 0)
+
+    async def body(node: Node, port: int) -> None:
+        bad = node.hosts[0]
+        engine = bad.engine
+        real_handle_many = engine.handle_many
+
+        def handle_many(commands: Any, wall: int, mono: int, **kw: Any) -> Any:
+            if any(getattr(c, "spec", None) and c.spec.id == boom for c in commands):
+                raise DiskFull("no space left on device", path="shard-000")
+            return real_handle_many(commands, wall, mono, **kw)
+
+        monkeypatch.setattr(engine, "handle_many", handle_many)
+        async with Client.connect("127.0.0.1", port) as client:
+            with pytest.raises(RemoteError) as caught:
+                await client.create(
+                    {
+                        "id": boom,
+                        "schedule": {"at": "2099-01-01T00:00:00Z"},
+                        "task": {"shell": "true"},
+                    }
+                )
+            assert caught.value.code == "disk_full"
+            assert isinstance(bad.failed, DiskFull)
+
+    with_node(tmp_path, body)

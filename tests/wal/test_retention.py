@@ -217,3 +217,34 @@ def test_an_append_racing_retention_leaves_no_logs_behind(tmp_path: Path) -> Non
         del store.logs._get
         assert store.run(1, T0) is None
         assert store.logs.read(1, T0).chunks == []
+
+
+def test_an_append_does_not_wait_for_a_retention_pass(tmp_path: Path) -> None:
+    """Appends come from the node's event loop: retention takes the log store's lock for
+    its write alone, never for its scan (found by review: holding it for the pass froze the
+    node for as long as a backlog pass took)."""
+    import threading
+    import time
+
+    with open_store(tmp_path) as store:
+        store.write([created(1)])
+        store.write([batch(10 + d, run(1, T0 + d, "SUCCESS")) for d in range(5)])
+        scan = store._retain_by_age
+        scanning = threading.Event()
+
+        def slow_scan(*args: object, **kwargs: object) -> None:
+            scanning.set()
+            time.sleep(1.0)  # a long scan: a backlog, a slow disk
+            scan(*args, **kwargs)  # type: ignore[arg-type]
+
+        store._retain_by_age = slow_scan  # type: ignore[method-assign]
+        retention = threading.Thread(
+            target=store.retain, args=(T0 + 10**9, Retention(max_age_ms=1))
+        )
+        retention.start()
+        assert scanning.wait(5)
+        started = time.monotonic()
+        store.logs.append(2, T0, "stdout", b"x")  # another run's output, meanwhile
+        waited = time.monotonic() - started
+        retention.join(10)
+        assert waited < 0.5
