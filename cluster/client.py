@@ -32,10 +32,9 @@ from cluster.codec import DEFAULT_MAX_FRAME, FrameDecoder, Message, ProtocolErro
 from cluster.rawio import Outbox, RawSocketIO
 from engine.errors import EngineUsageError
 from engine.jobs import new_job_id, validate_job
+from engine.runs import FINAL_VALUES
 
 DEFAULT_TIMEOUT_S = 30.0
-#: run states after which a run changes no more (docs/protocol.md, section 8)
-FINAL_STATES = frozenset({"SUCCESS", "FAILED", "TIMED_OUT", "LOST", "SKIPPED", "CANCELLED"})
 #: set while the reconnect hook runs: its requests go out before anyone else's
 _handshake: ContextVar[bool] = ContextVar("tickwheel_handshake", default=False)
 
@@ -543,6 +542,6 @@ class Client:
                 state = page["state"]
                 if state is None:
                     state = (await self.run(run_id))["state"]  # not_found raises
-                if state in FINAL_STATES:
+                if state in FINAL_VALUES:
                     return
                 await trio.sleep(poll_s)

@@ -707,10 +707,8 @@ class Connection:
             self.outbox.write_now()
 
     async def _reader(self, nursery: trio.Nursery) -> None:
-        outbox = self.outbox
         while True:
-            if outbox.queued > outbox.high_water:
-                await outbox.wait_room()  # TCP back-pressure on a peer that does not read
+            await self.outbox.wait_room()  # TCP back-pressure on a peer that does not read
             data = await self.io.receive_some()
             if not data:
                 return
@@ -825,11 +823,9 @@ class Connection:
 
     async def _handle(self, request: Request) -> None:
         try:
-            outbox = self.outbox
-            if outbox.queued > outbox.high_water:
-                # Its reply would only wait in the outbox: made once the peer has read (a
-                # reply may be megabytes, run.logs; many in flight must not all be made).
-                await outbox.wait_room()
+            # Its reply would only wait in the outbox: made once the peer has read (a reply
+            # may be megabytes, run.logs; many in flight must not all be made).
+            await self.outbox.wait_room()
             result = await self.node.execute(self, request)
             self.send(ok(request.id, result))
         except Exception as exc:

@@ -681,7 +681,11 @@ class WorkerAgent:
                 return True
             except RemoteError as exc:
                 if exc.code == "not_a_worker":  # the node restarted and forgot us: hello first
-                    await self._hello()
+                    # Through the one hello under way, not a hello of this report's own:
+                    # hellos in flight together, each with the runs held when it left, can
+                    # cross a dispatch and make the node take a run the worker has for lost.
+                    self._greet_again()
+                    await trio.sleep(NOT_TAKEN_RETRY_S)
                     continue
                 if exc.code in NOT_TAKEN_CODES:
                     # Not taken (a failed shard): a final report kept, then sent again until

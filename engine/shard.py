@@ -1245,16 +1245,16 @@ class ShardEngine:
     def _first_due(self, spec: JobSpec, key: int | None = None) -> int | None:
         """The first fire time a new version owes. ``key``: the job's key when the version
         replaces another (a replacing create, a create of a cancelled id)."""
-        if isinstance(spec.schedule, AtSchedule):
+        schedule = spec.schedule
+        if isinstance(schedule, AtSchedule):
             # A one-shot time already past is still owed: the caller asked for that run...
-            at = spec.schedule.next_after(-(2**62))
+            at = schedule.next_after(-(2**62))
             if at is not None and key is not None and at <= self._wall and self._ran(key, at):
                 # ...unless this id already has a run at that time: the run id (job id +
                 # time) is the task's idempotency key, and DESIGN makes a repeated creation
                 # a no-op. Firing it again would run that key twice (at-most-once included).
                 return None
             return at
-        schedule = spec.schedule
         if isinstance(schedule, EverySchedule):
             # Its first time a moment ago is owed, as any fire less than misfire_ms late is:
             # the default start is the node's clock when the request arrived, and this turn
@@ -1825,7 +1825,8 @@ class ShardEngine:
         ):
             run.stopping = True
             # Nothing is decided yet, so the Kill may leave at once; a crash before the
-            # report re-attaches the run and its timeout starts again.
+            # report re-attaches the run with its timeout's clock (clock_from), past already:
+            # the worker is asked again at once.
             self._out.append(Kill(run.worker, self._run_id(run), run.token, "timed out"))
             self._set_run_timer(run, "stop", self._mono + self.config.reattach_grace_ms)
             return
