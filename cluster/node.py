@@ -1138,6 +1138,8 @@ class Node:
         session.conn.send(
             {  # push("dispatch", run=...), built at once: one a run
                 "push": "dispatch",
+                "shard": shard,
+                "seq": effect.seq,
                 "run": {
                     "run_id": t.run_id,
                     "job_id": t.job_id,
@@ -1427,6 +1429,10 @@ class Node:
         if slots < 0:
             raise BadArgs("slots: must be >= 0", None, "slots")
         held = _held(args.get("held", []))
+        instance = args.get("instance", "")
+        if len(instance) > 200:
+            raise BadArgs("instance: at most 200 characters", None, "instance")
+        seen = _seen(args.get("seen", []), self.shards)
         old = self.workers.get(worker_id)
         if old is not None and old.conn is not conn:
             old.conn.worker = None  # the worker reconnected: the old connection is not it
@@ -1434,7 +1440,7 @@ class Node:
         conn.worker = session
         self.workers[worker_id] = session
         for host, mine in zip(self.hosts, self._by_shard(held), strict=True):
-            host.tell(WorkerHello(worker_id, tiers, slots, mine))
+            host.tell(WorkerHello(worker_id, tiers, slots, mine, instance, seen[host.index]))
         return {"lease_ms": self.config.worker_lease_ms, "shards": self.shards}
 
     def _by_shard(self, held: tuple[tuple[str, int], ...]) -> list[tuple[tuple[str, int], ...]]:
@@ -1689,6 +1695,28 @@ def _run_result(job_id: str, r: dict[str, Any]) -> dict[str, Any]:
         "why": r["why"],
         "version": r["ver"],
     }
+
+
+def _seen(raw: list[Any], shards: int) -> list[int]:
+    """A hello's ``seen``: ``[[shard, seq], ...]``, the newest dispatch number the worker
+    received of each shard (:class:`engine.effects.WorkerHello`); by shard, 0 where absent."""
+    if len(raw) > shards:
+        raise BadArgs(f"seen: at most one entry per shard ({shards})", None, "seen")
+    out = [0] * shards
+    for i, item in enumerate(raw):
+        if (
+            not isinstance(item, list)
+            or len(item) != 2
+            or not isinstance(item[0], int)
+            or not isinstance(item[1], int)
+            or not 0 <= item[0] < shards
+            or item[1] < 0
+        ):
+            raise BadArgs(
+                f"seen[{i}]: must be [shard, seq] with 0 <= shard < {shards}", None, f"seen[{i}]"
+            )
+        out[item[0]] = item[1]
+    return out
 
 
 def _held(raw: list[Any]) -> tuple[tuple[str, int], ...]:

@@ -56,6 +56,8 @@ OPS: Final[dict[str, ArgSpec]] = {
         "tiers": (_LIST, True),
         "slots": (_INT, True),
         "held": (_LIST, False),
+        "instance": (_STR, False),
+        "seen": (_LIST, False),
     },
     "worker.heartbeat": {"held": (_LIST, False)},
     "worker.pull": {"credits": (_INT, True)},

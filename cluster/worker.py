@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import socket
 import time
 import types
@@ -161,6 +162,11 @@ class WorkerAgent:
         self.container_runtime = container_runtime
         self.payload_handler = payload_handler
         self.held: dict[str, _Held] = {}  # run id -> the attempt of it this worker holds
+        #: names this process to the node, whose hello answer depends on it: only the process
+        #: a run was dispatched to can say whether it received it (``seen``)
+        self.instance = secrets.token_hex(8)
+        #: shard -> the newest dispatch number received from it (``worker.hello``'s ``seen``)
+        self.seen: dict[int, int] = {}
         self.running = 0  # tasks started that have not ended (let-go attempts included)
         self.waiting: list[RunTicket] = []  # dispatched beyond the free slots (several shards)
         self.lease_ms = 10_000
@@ -229,7 +235,12 @@ class WorkerAgent:
                 "worker_id": self.worker_id,
                 "tiers": list(self.tiers),
                 "slots": slots,
+                # What it holds and what it has heard, taken together: a dispatch numbered
+                # after ``seen`` that ``held`` lacks is one crossing this hello (or lost with
+                # a connection), and the node sends it again rather than give it up.
                 "held": self._held_list(),
+                "instance": self.instance,
+                "seen": [[shard, seq] for shard, seq in self.seen.items()],
             },
         )
         if self._free() != slots:
@@ -397,6 +408,9 @@ class WorkerAgent:
         """A push from the node, in the order they came (called by the client's reader)."""
         kind = message.get("push")
         if kind == "dispatch":
+            shard, seq = message.get("shard"), message.get("seq", 0)
+            if type(shard) is int and type(seq) is int and seq > self.seen.get(shard, 0):
+                self.seen[shard] = seq  # before anything may drop it: it was received
             self._on_dispatch(ticket_of(message["run"]))
         elif kind == "kill":
             held = self.held.get(message["run_id"])

@@ -93,12 +93,22 @@ class OutboxDelivered:
 
 @dataclass(frozen=True)
 class WorkerHello:
-    """A worker (re)connects: its tiers, free slots, and the runs it still holds."""
+    """A worker (re)connects, or says hello again: its tiers, free slots, the runs it still
+    holds, and how far it has heard this shard.
+
+    ``instance`` names the worker's process (a new one after each restart); ``seen`` is the
+    highest :attr:`Dispatch.seq` of this shard that instance received (0: none). A run the
+    hello does not announce is lost to the worker only if its dispatch is one the worker had
+    when it said hello; one sent later (crossing the hello, or lost with a broken connection)
+    is sent again instead. An empty ``instance`` (a driver that keeps no such count) makes
+    every run not announced lost, as after a restart of the worker."""
 
     worker_id: str
     tiers: tuple[str, ...]
     credits: int
     held: tuple[tuple[str, int], ...] = ()  # (run_id, token)
+    instance: str = ""
+    seen: int = 0
 
 
 @dataclass(frozen=True)
@@ -214,6 +224,10 @@ class Dispatch(NamedTuple):
 
     worker_id: str
     run: RunTicket
+    #: numbers the shard's dispatches in the order they leave the engine (epoch in the high
+    #: bits, as a fencing token): a driver delivers them to a worker in that order, so the
+    #: highest a worker received says which of them it had (:class:`WorkerHello`)
+    seq: int = 0
 
 
 @dataclass(frozen=True)

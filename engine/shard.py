@@ -117,6 +117,8 @@ _SLEW_DIVISOR = 1000
 
 # Job flags (the uint8 column).
 _PAUSED = 1
+#: _Run.sent of a dispatch held until its batch is durable: above every Dispatch.seq
+_UNSENT = 1 << 63
 _GONE = 2  # cancelled; the key stays, so that the id can be created again as a new version
 _LATE_PAUSED = 4  # fires missed so far were missed while paused (set by resume)
 
@@ -281,6 +283,9 @@ class _Run:
     #: start report); recorded ("st") while it is in flight, so that a re-attach (after a
     #: lease lapse, or a restart) resumes that clock instead of starting it again
     clock_from: int | None = None
+    #: the :attr:`Dispatch.seq` of this attempt's newest dispatch (``_UNSENT`` while the
+    #: dispatch waits for durability; 0 once its worker announced the run: it has it)
+    sent: int = 0
 
     @property
     def ref(self) -> RunRef:
@@ -294,6 +299,8 @@ class _Worker:
     credits: int
     slot: int
     runs: set[RunRef] = field(default_factory=set)
+    #: the process its last hello named (:attr:`WorkerHello.instance`)
+    instance: str = ""
 
 
 class ShardEngine:
@@ -326,6 +333,7 @@ class ShardEngine:
         self._jumped = False
         self._offset = wall_ms - mono_ms  # wall minus monotonic, as far as it is trusted
         self._counter = 0  # fencing tokens handed out in this epoch
+        self._sends = 0  # dispatches numbered in this epoch (Dispatch.seq)
         self._batch = 0  # last batch id handed out
         self._durable = 0  # last batch id acknowledged
         # Jobs: columns by key. Version 0 means no job has this key.
@@ -755,6 +763,7 @@ class ShardEngine:
                     or run.state is not RunState.CLAIMED
                 ):
                     continue
+                effect = self._numbered(run, effect.worker_id, effect.run)
             out.append(effect)
         return out
 
@@ -1684,18 +1693,53 @@ class ShardEngine:
             self._workers[cmd.worker_id] = worker
             self._slot_worker[slot] = cmd.worker_id
         worker.tiers, worker.credits = tuple(cmd.tiers), cmd.credits
+        # Only the process this engine dispatched to can say what it received.
+        same_process = bool(cmd.instance) and cmd.instance == worker.instance
+        worker.instance = cmd.instance
         announced = {rid for rid, _token in cmd.held}
+        again: list[_Run] = []
         for ref in sorted(worker.runs):
             run = self._runs.get(ref)
-            if (
-                run is not None
-                and run.worker == worker.worker_id
-                and self._run_id(run) not in announced
-            ):
-                # The worker (re)started without it, or the dispatch never arrived.
-                worker.runs.discard(ref)
-                self._worker_lost_run(run)
+            if run is None or run.worker != worker.worker_id or self._run_id(run) in announced:
+                continue
+            if same_process and run.sent > cmd.seen:
+                # Sent after the worker said hello: the dispatch is crossing the hello (its
+                # start report may even have overtaken it), or went down with a broken
+                # connection. The worker keeps it; one not reported started gets it again
+                # (the worker drops a repeat of what it holds), and one still waiting for
+                # durability goes out when that comes.
+                if run.state is RunState.CLAIMED and run.sent != _UNSENT:
+                    again.append(run)
+                continue
+            # The worker (re)started without it, dropped it (fenced), or never got it.
+            worker.runs.discard(ref)
+            self._worker_lost_run(run)
         self._renew(worker, cmd.held)
+        for run in again:
+            self._send_again(worker, run)
+
+    def _send_again(self, worker: _Worker, run: _Run) -> None:
+        """The same attempt (same token) to the same worker, numbered anew."""
+        job_id, task = self._job_and_task(run)
+        ticket = self._ticket(run, self._run_id(run), run.job_id or str(job_id), task)
+        self._out.append(self._numbered(run, worker.worker_id, ticket))
+
+    @staticmethod
+    def _ticket(run: _Run, rid: str, job_id: str, task: dict[str, Any]) -> RunTicket:
+        policy = run.policy
+        return RunTicket(  # positional, in field order: a third of the keyword call's cost
+            rid,  # run_id
+            job_id,
+            run.at,  # scheduled_ms
+            run.attempt,
+            run.token,
+            run.version,
+            policy.delivery,
+            policy.tier,
+            policy.timeout_ms,
+            task,
+            policy.on_timeout,
+        )
 
     def _heartbeat(self, cmd: Heartbeat) -> None:
         worker = self._workers.get(cmd.worker_id)
@@ -1721,6 +1765,7 @@ class ShardEngine:
     def _reattach(self, worker: _Worker, run: _Run) -> None:
         run.worker = worker.worker_id
         run.grace = False
+        run.sent = 0  # announced: the worker has it
         worker.runs.add(run.ref)
         self._clear_run_timer(run)
         if run.stopping:
@@ -1899,11 +1944,7 @@ class ShardEngine:
 
     def _claim(self, worker: _Worker, run: _Run) -> None:
         # What the ticket needs is read first: a failure must leave the run unclaimed.
-        pinned = run.pinned
-        if pinned:
-            job_id, task = pinned["id"], pinned["task"]
-        else:
-            job_id, task = self._ticket_fields(run.key, run.version)
+        job_id, task = self._job_and_task(run)
         self._move(run, RunEvent.CLAIM)
         if run.maybe_sent:
             # The attempt number must never name two dispatches of one run: the one before
@@ -1924,28 +1965,32 @@ class ShardEngine:
             run.job_id = str(job_id)
         rid = run_id(run.job_id, run.at)
         self._handed_out[rid] = run
-        ticket = RunTicket(  # positional, in field order: a third of the keyword call's cost
-            rid,  # run_id
-            run.job_id,
-            run.at,  # scheduled_ms
-            run.attempt,
-            run.token,
-            run.version,
-            policy.delivery,
-            policy.tier,
-            policy.timeout_ms,
-            task,
-            policy.on_timeout,
-        )
+        ticket = self._ticket(run, rid, run.job_id, task)
         if "claim-after-fire" in self.config.mutants:
-            self._out.append(Dispatch(worker.worker_id, ticket))  # the guard switched off
+            self._out.append(self._numbered(run, worker.worker_id, ticket))  # guard off
         elif policy.delivery == "at_most_once" or run.fired_batch > self._durable:
             # At-most-once: the claim first. Either mode: a run whose creation, or the record
             # that set its attempt number, is not durable yet waits for it (a crash would
             # forget the run, or let the attempt number name a second dispatch).
+            run.sent = _UNSENT  # numbered when it leaves (_still_valid)
             self._after_durable.append(Dispatch(worker.worker_id, ticket))
         else:
-            self._out.append(Dispatch(worker.worker_id, ticket))
+            self._out.append(self._numbered(run, worker.worker_id, ticket))
+
+    def _job_and_task(self, run: _Run) -> tuple[str, Any]:
+        """What a ticket needs of the run's job version (the directory's, unless pinned)."""
+        pinned = run.pinned
+        if pinned:
+            return pinned["id"], pinned["task"]
+        return self._ticket_fields(run.key, run.version)
+
+    def _numbered(self, run: _Run, worker_id: str, ticket: RunTicket) -> Dispatch:
+        """The dispatch of ``ticket``, numbered as it leaves the engine (see
+        :class:`WorkerHello`: the order of the numbers must be the order they go out in)."""
+        self._sends += 1
+        seq = fencing_token(self.epoch, self._sends)
+        run.sent = seq
+        return Dispatch(worker_id, ticket, seq)
 
     # =============================================================== reports
 

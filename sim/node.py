@@ -551,7 +551,7 @@ class SimNode:
                 obs.acted(self, hs.shard, token_epoch(e.run.token), decided_at, "dispatch")
                 dispatched = True
                 self.k.trace("dispatch", self.name, e.worker_id, e.run.run_id, e.run.token)
-                self._to_worker(e.worker_id, "on_dispatch", hs.shard, e.run)
+                self._to_worker(e.worker_id, "on_dispatch", hs.shard, e.run, e.seq)
             elif kind is Kill:
                 assert isinstance(e, Kill)
                 self._to_worker(e.worker_id, "on_kill", e.run_id, e.token)

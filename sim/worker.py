@@ -82,6 +82,8 @@ class SimWorker:
         self.tasks: dict[tuple[str, int], _Task] = {}
         self.unreported: dict[tuple[str, int], tuple[int, ReportFinished, int]] = {}
         self.newest_epoch = [0] * world.shards
+        #: per shard, the newest dispatch number this incarnation received (its hellos' seen)
+        self.seen = [0] * world.shards
         self._reconnecting: set[str] = set()
 
     # ================================================================ life cycle
@@ -91,6 +93,7 @@ class SimWorker:
         self.incarnation += 1
         self.sessions = [_Session() for _ in range(self.w.shards)]
         self.tasks, self.unreported = {}, {}
+        self.seen = [0] * self.w.shards
         self._reconnecting = set()
         self.k.trace("worker-start", self.name, self.incarnation)
         self._round(self.incarnation)
@@ -163,7 +166,14 @@ class SimWorker:
             if now - session.hello_at < 1_000 and not retry:
                 return None
             session.hello_at = now
-            hello = WorkerHello(self.name, self.tiers, self._free(shard), self._held(shard))
+            hello = WorkerHello(
+                self.name,
+                self.tiers,
+                self._free(shard),
+                self._held(shard),
+                f"{self.name}.{self.incarnation}",  # one process per incarnation
+                self.seen[shard],
+            )
             session.credits = hello.credits
             return self._stamp(shard, (hello, *self._starts(session)), hello=True)
         held = self._held(shard)
@@ -339,15 +349,26 @@ class SimWorker:
 
     # ================================================================ running tasks
 
-    def on_dispatch(self, shard: int, ticket: RunTicket) -> None:
+    def on_dispatch(self, shard: int, ticket: RunTicket, seq: int) -> None:
+        self.seen[shard] = max(self.seen[shard], seq)
         epoch = token_epoch(ticket.token)
         newest = self.newest_epoch[shard]
         if not self._fence.accepts(newest, epoch):
             self.k.trace("dispatch-refused", self.name, ticket.run_id, f"e{epoch}", newest)
             return
         key = (ticket.run_id, ticket.token)
-        if key in self.tasks:
-            return
+        if key in self.tasks or key in self.unreported:
+            return  # a repeat (sent again after a hello it crossed): held already
+        for (rid, token), task in list(self.tasks.items()):
+            if rid != ticket.run_id:
+                continue
+            if token > ticket.token:
+                return  # an older attempt than the one it runs
+            # A newer attempt supersedes the one it runs, as in the real worker: the old
+            # task is stopped at once, unreported (the node no longer counts it).
+            del self.tasks[(rid, token)]
+            self.sessions[shard].starting.pop((rid, token), None)
+            self.w.observer.ended(task.execution, "superseded", reported=False)
         if epoch < newest:
             self.w.observer.stale_dispatch(self.name, shard, ticket, newest)
         self.newest_epoch[shard] = max(newest, epoch)
