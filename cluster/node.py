@@ -888,6 +888,7 @@ class WorkerSession:
     tiers: tuple[str, ...]
     free: int
     conn: Connection
+    instance: str = ""  # the process that said hello (WorkerHello.instance)
 
 
 # =============================================================================== the node
@@ -1436,7 +1437,7 @@ class Node:
         old = self.workers.get(worker_id)
         if old is not None and old.conn is not conn:
             old.conn.worker = None  # the worker reconnected: the old connection is not it
-        session = WorkerSession(worker_id, tiers, slots, conn)
+        session = WorkerSession(worker_id, tiers, slots, conn, instance)
         conn.worker = session
         self.workers[worker_id] = session
         for host, mine in zip(self.hosts, self._by_shard(held), strict=True):
@@ -1454,8 +1455,10 @@ class Node:
         session = conn.worker
         assert session is not None
         held = _held(args.get("held", []))
+        raw_seen = args.get("seen")
+        seen = _seen(raw_seen, self.shards) if raw_seen is not None else [-1] * self.shards
         for host, mine in zip(self.hosts, self._by_shard(held), strict=True):
-            host.tell(Heartbeat(session.worker_id, mine))
+            host.tell(Heartbeat(session.worker_id, mine, session.instance, seen[host.index]))
         return {"lease_ms": self.config.worker_lease_ms}
 
     def _pull(self, conn: Connection, args: dict[str, Any]) -> Any:

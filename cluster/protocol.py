@@ -59,7 +59,7 @@ OPS: Final[dict[str, ArgSpec]] = {
         "instance": (_STR, False),
         "seen": (_LIST, False),
     },
-    "worker.heartbeat": {"held": (_LIST, False)},
+    "worker.heartbeat": {"held": (_LIST, False), "seen": (_LIST, False)},
     "worker.pull": {"credits": (_INT, True)},
     "worker.started": {"run_id": (_STR, True), "token": (_INT, True)},
     "worker.output": {

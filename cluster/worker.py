@@ -303,7 +303,12 @@ class WorkerAgent:
             sent = _mono_ms()
             try:
                 await self.client.request(
-                    "worker.heartbeat", {"held": self._held_list()}, timeout_s=period_s
+                    "worker.heartbeat",
+                    {  # taken together, as in the hello
+                        "held": self._held_list(),
+                        "seen": [[shard, seq] for shard, seq in self.seen.items()],
+                    },
+                    timeout_s=period_s,
                 )
                 self._acked(sent)
             except RemoteError as exc:

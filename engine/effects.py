@@ -113,8 +113,16 @@ class WorkerHello:
 
 @dataclass(frozen=True)
 class Heartbeat:
+    """A worker renews its lease, with the runs it holds. With ``instance`` and ``seen`` (as
+    in :class:`WorkerHello`, from the process of the worker's last hello), a run it omits
+    whose dispatch it had is lost to it, as a hello would say: the worker dropped it without
+    a hello (a third-party worker, say). Omitted runs sent after ``seen`` are on their way
+    and are left alone; a heartbeat never sends anything again."""
+
     worker_id: str
     held: tuple[tuple[str, int], ...] = ()
+    instance: str = ""
+    seen: int = -1  # -1: not given (only the lease is renewed)
 
 
 @dataclass(frozen=True)

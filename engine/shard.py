@@ -1696,27 +1696,36 @@ class ShardEngine:
         # Only the process this engine dispatched to can say what it received.
         same_process = bool(cmd.instance) and cmd.instance == worker.instance
         worker.instance = cmd.instance
-        announced = {rid for rid, _token in cmd.held}
+        again = self._forget_unheld(worker, cmd.held, cmd.seen if same_process else None)
+        self._renew(worker, cmd.held)
+        for run in again:
+            self._send_again(worker, run)
+
+    def _forget_unheld(
+        self, worker: _Worker, held: tuple[tuple[str, int], ...], seen: int | None
+    ) -> list[_Run]:
+        """The worker's runs that ``held`` omits are lost to it, except those whose dispatch
+        is numbered after ``seen`` (None: the process that was sent them is gone, so all
+        are). Returns those of them to send again: still CLAIMED, and numbered."""
+        announced = {rid for rid, _token in held}
         again: list[_Run] = []
         for ref in sorted(worker.runs):
             run = self._runs.get(ref)
             if run is None or run.worker != worker.worker_id or self._run_id(run) in announced:
                 continue
-            if same_process and run.sent > cmd.seen:
-                # Sent after the worker said hello: the dispatch is crossing the hello (its
-                # start report may even have overtaken it), or went down with a broken
-                # connection. The worker keeps it; one not reported started gets it again
-                # (the worker drops a repeat of what it holds), and one still waiting for
-                # durability goes out when that comes.
+            if seen is not None and run.sent > seen:
+                # Sent after the worker's snapshot: the dispatch is crossing it (its start
+                # report may even have overtaken it), or went down with a broken connection.
+                # The worker keeps it; one not reported started gets it again if the caller
+                # says so (the worker drops a repeat of what it holds), and one still
+                # waiting for durability goes out when that comes.
                 if run.state is RunState.CLAIMED and run.sent != _UNSENT:
                     again.append(run)
                 continue
             # The worker (re)started without it, dropped it (fenced), or never got it.
             worker.runs.discard(ref)
             self._worker_lost_run(run)
-        self._renew(worker, cmd.held)
-        for run in again:
-            self._send_again(worker, run)
+        return again
 
     def _send_again(self, worker: _Worker, run: _Run) -> None:
         """The same attempt (same token) to the same worker, numbered anew."""
@@ -1747,6 +1756,10 @@ class ShardEngine:
             raise EngineUsageError(
                 f"unknown worker {cmd.worker_id!r}: say hello", field="worker_id"
             )
+        if cmd.seen >= 0 and cmd.instance and cmd.instance == worker.instance:
+            # No sending again: a heartbeat says nothing of a broken connection, and the
+            # dispatch of a run it has not seen yet is most likely still on its way.
+            self._forget_unheld(worker, cmd.held, cmd.seen)
         self._renew(worker, cmd.held)
 
     def _renew(self, worker: _Worker, held: tuple[tuple[str, int], ...]) -> None:

@@ -171,7 +171,7 @@ class SimWorker:
                 self.tiers,
                 self._free(shard),
                 self._held(shard),
-                f"{self.name}.{self.incarnation}",  # one process per incarnation
+                self._instance(),
                 self.seen[shard],
             )
             session.credits = hello.credits
@@ -180,7 +180,10 @@ class SimWorker:
         if not held and not retry and now - session.beat_at < self.w.config.idle_heartbeat_ms:
             return None  # nothing at stake here: staying known is enough
         session.beat_at = now
-        commands: list[Command] = [*self._starts(session), Heartbeat(self.name, held)]
+        commands: list[Command] = [
+            *self._starts(session),
+            Heartbeat(self.name, held, self._instance(), self.seen[shard]),
+        ]
         free = self._free(shard)
         if free != session.credits:
             session.credits = free
@@ -236,6 +239,9 @@ class SimWorker:
         held = [key for key, task in self.tasks.items() if task.shard == shard]
         held += [key for key, (s, _r, _at) in self.unreported.items() if s == shard]
         return tuple(sorted(held))
+
+    def _instance(self) -> str:
+        return f"{self.name}.{self.incarnation}"  # one process per incarnation
 
     def _free(self, shard: int) -> int:
         busy = sum(1 for task in self.tasks.values() if task.shard == shard)

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from engine.effects import (
     Dispatch,
+    Heartbeat,
     Pull,
     ReportFinished,
     ReportStarted,
@@ -142,6 +143,42 @@ def test_a_reattached_run_missing_from_a_later_hello_is_lost() -> None:
     assert dispatched(node)[-1].run.attempt == 2
 
 
+def test_a_heartbeat_omitting_a_run_it_had_loses_it() -> None:
+    """A worker that dropped a run and kept heartbeating without a hello (a third-party
+    worker, say) no longer leaves it RUNNING for good."""
+    node = Node()
+    hello(node, (), 0)
+    once(node, "a")
+    node.advance(1000)
+    (first,) = dispatched(node)
+    node.do(ReportStarted("w1", first.run.run_id, first.run.token))
+    node.do(Heartbeat("w1", (), "i1", first.seq))
+    assert dispatched(node)[-1].run.attempt == 2
+
+
+def test_a_heartbeat_leaves_alone_what_it_has_not_seen_and_never_sends_again() -> None:
+    node = Node()
+    hello(node, (), 0)
+    once(node, "a")
+    node.advance(1000)
+    (first,) = dispatched(node)
+    node.do(Heartbeat("w1", (), "i1", first.seq - 1))
+    assert dispatched(node) == [first]
+    node.do(ReportFinished("w1", first.run.run_id, first.run.token, "success", 0))
+    assert node.final_states() == ["SUCCESS"]
+
+
+def test_a_heartbeat_without_seen_or_from_another_process_only_renews() -> None:
+    node = Node()
+    hello(node, (), 0)
+    once(node, "a")
+    node.advance(1000)
+    (first,) = dispatched(node)
+    node.do(Heartbeat("w1", ()))  # a driver that keeps no count
+    node.do(Heartbeat("w1", (), "another", first.seq))
+    assert dispatched(node) == [first]
+
+
 # ------------------------------------------------------------------ a worker on a connection
 
 
@@ -160,7 +197,7 @@ class _Worker:
     taken: int = 0  # dispatches already moved from node.dispatches to inbound
     executions: list[tuple[str, int]] = field(default_factory=list)
     #: hellos sent, not yet taken by the engine: the reports sent after one may overtake it
-    outbound: list[WorkerHello] = field(default_factory=list)
+    outbound: list[WorkerHello | Heartbeat] = field(default_factory=list)
 
     def collect(self) -> None:
         fresh = self.node.dispatches[self.taken :]
@@ -185,6 +222,10 @@ class _Worker:
     def say_hello(self) -> None:
         held = tuple((rid, t.token) for rid, t in self.held.items())
         self.outbound.append(WorkerHello("w1", ("default",), 8, held, self.instance, self.seen))
+
+    def heartbeat(self) -> None:
+        held = tuple((rid, t.token) for rid, t in self.held.items())
+        self.outbound.append(Heartbeat("w1", held, self.instance, self.seen))
 
     def hello_lands(self) -> None:
         if self.outbound:
@@ -222,7 +263,9 @@ class _Worker:
 @settings(max_examples=150, deadline=None)
 @given(
     steps=st.lists(
-        st.sampled_from(["create", "tick", "deliver", "hello", "land", "start", "finish", "break"]),
+        st.sampled_from(
+            ["create", "tick", "deliver", "hello", "beat", "land", "start", "finish", "break"]
+        ),
         min_size=1,
         max_size=60,
     ),
@@ -231,7 +274,7 @@ class _Worker:
 def test_hellos_at_any_point_never_run_a_run_twice_nor_lose_one(
     steps: list[str], durable_at_once: bool
 ) -> None:
-    """One worker process on one FIFO connection, hellos at random points (a fence's, a
+    """One worker process on one FIFO connection, hellos and heartbeats at random points (a fence's, a
     refused report's, a reconnect's after the connection broke), its start reports taken
     ahead of a hello sent before them (the node may): without a crash or a lease
     lapse no run is executed twice or handed out again, and once everything is delivered and
@@ -252,6 +295,8 @@ def test_hellos_at_any_point_never_run_a_run_twice_nor_lose_one(
             w.deliver_one()
         elif step == "hello":
             w.say_hello()
+        elif step == "beat":
+            w.heartbeat()
         elif step == "land":
             w.hello_lands()
         elif step == "start":
