@@ -7,13 +7,15 @@ message into bytes. Like h11, it never touches a socket, a clock or a task: the 
 that feed it live in :mod:`cluster.node` and :mod:`cluster.client`.
 
 Must never let one bad frame poison the stream: a frame whose body is not a msgpack map, holds
-a list or map longer than any message needs, or whose declared length passes the limit, yields an error for that frame and the decoder moves
+a list or map longer than any message needs, would decode to far more memory than its size, or
+whose declared length passes the limit, yields an error for that frame and the decoder moves
 on to the next one (an oversized body is skipped as it arrives, never buffered).
 """
 
 from __future__ import annotations
 
 import struct
+import sys
 import threading
 from collections import deque
 from typing import Any, Final
@@ -29,10 +31,20 @@ DEFAULT_MAX_FRAME: Final = 8 * 1024 * 1024
 #: protocol's own lists are shorter (10,000: ``MAX_BATCH`` specs or reports, ``MAX_LIMIT``
 #: pages). A frame holding a longer one is refused before it is built (``container_too_large``).
 #: Strings and bins are bounded by the frame alone (a string over a job's limits must get the
-#: job's own error, naming its field). This bounds each container, not their number: see
-#: docs/protocol.md, "Limits", for what decoding one frame may still allocate.
+#: job's own error, naming its field). This bounds each container, not their number:
+#: :data:`BUDGET_FROM` and :data:`MAX_EXPANSION` bound what decoding one frame allocates.
 MAX_ARRAY_LEN: Final = 256 * 1024
 MAX_MAP_LEN: Final = MAX_ARRAY_LEN // 2
+#: Frames up to this size are decoded as they come, with no count: even the densest (1-byte
+#: empty maps in lists, about 72 bytes of Python each) costs at most about 37 MiB, and every
+#: request of a single job (a task is at most 256 KiB encoded) stays below it.
+BUDGET_FROM: Final = 512 * 1024
+#: A larger frame may decode to at most this many times its size (``frame_too_complex``
+#: otherwise), as :func:`_charge` counts: what each list and map costs (``sys.getsizeof``: its
+#: slots and hash table), plus the scalars that cost more than their bytes (see
+#: :data:`_SCALAR_CLASS`). Legitimate frames cost 5-16 times their size (measured: batches of
+#: specs, pages of jobs; docs/protocol.md, "Memory per frame"); a worst frame about 72.
+MAX_EXPANSION: Final = 20
 _HEADER: Final = struct.Struct(">I")
 
 Message = dict[str, Any]
@@ -70,14 +82,23 @@ class FrameDecoder:
     """Bytes in (:meth:`feed`), messages out (:meth:`next_event`).
 
     Guarantees: messages come out in the order their frames went in; a bad frame yields exactly
-    one :class:`ProtocolError` in its place; memory is bounded by ``max_frame`` plus one read.
-    Cost: O(bytes) per feed; msgpack decoding per frame.
+    one :class:`ProtocolError` in its place; memory is bounded by ``max_frame`` plus one read,
+    and, with ``max_expansion`` set, decoding one frame larger than :data:`BUDGET_FROM` builds
+    at most about ``max_expansion`` times its size before it is refused (``frame_too_complex``).
+    ``max_expansion=None`` decodes every frame whatever it costs, for a peer that is trusted
+    (the node's replies stay far under the budget: a page of 10,000 jobs costs about 5 times
+    its size).
+    Cost: O(bytes) per feed; msgpack decoding per frame, plus one call per list and map for
+    the frames above :data:`BUDGET_FROM` when counted.
     """
 
-    __slots__ = ("_buffer", "_events", "_max_frame", "_skip")
+    __slots__ = ("_buffer", "_events", "_max_expansion", "_max_frame", "_skip")
 
-    def __init__(self, max_frame: int = DEFAULT_MAX_FRAME) -> None:
+    def __init__(
+        self, max_frame: int = DEFAULT_MAX_FRAME, *, max_expansion: int | None = MAX_EXPANSION
+    ) -> None:
         self._max_frame = max_frame
+        self._max_expansion = max_expansion
         self._buffer = bytearray()
         self._skip = 0  # bytes of an oversized frame still to discard
         self._events: deque[Message | ProtocolError] = deque()
@@ -122,20 +143,139 @@ class FrameDecoder:
             end = start + _HEADER.size + length
             if end > len(buffer):
                 break
-            self._events.append(_decode(bytes(buffer[start + _HEADER.size : end])))
+            body = bytes(buffer[start + _HEADER.size : end])
+            if length > BUDGET_FROM and self._max_expansion is not None:
+                self._events.append(_decode(body, length * self._max_expansion))
+            else:
+                self._events.append(_decode(body))
             start = end
         if start:
             del buffer[:start]
 
 
-def _decode(body: bytes) -> Message | ProtocolError:
+class _OverBudget(Exception):
+    """Raised from a hook of :func:`_decode` to stop decoding a frame that costs too much."""
+
+
+#: Byte value -> class of the scalars that cost more than their bytes (0: none), and per class
+#: what one may cost beyond the 8-byte slot its container already counts. 1: a negative
+#: fixint below -5 (one byte) is a new int of 32 bytes (-5..256 are shared); a 3-byte UTF-8
+#: character's first byte. 2: a str of 2 or 3 bytes (0xa2, 0xa3: a new string of 56 bytes when
+#: ASCII; one character is shared), an ext value (a new ``ExtType``; the protocol uses none).
+#: 3: the other types' first bytes from 0xc4 (bin, float, ints beyond fixints, str8: a new
+#: object of 24-40 bytes), and a 2-byte UTF-8 character's first byte beyond Latin-1 (a
+#: one-character string of 80). What is not counted stays within about 22 times its size (an
+#: int8 of 2 bytes; a str8 of one 2-byte character). Bytes inside strings and bins are
+#: classed too: that only overcounts (random bytes by about 7 per byte, non-Latin text by
+#: about 12-14), never undercounts.
+_SCALAR_CLASS: Final = bytes(
+    1
+    if 0xE0 <= b <= 0xFA
+    else 2
+    if b in (0xA2, 0xA3, 0xC7, 0xC8, 0xC9) or 0xD4 <= b <= 0xD8
+    else 3
+    if 0xC4 <= b <= 0xDF and b != 0xCC  # (a uint8 is 0..255: shared)
+    else 0
+    for b in range(256)
+)
+_SCALAR_COST: Final = ((1, 32), (2, 56), (3, 24))
+#: What a map of n entries costs as msgpack builds it (``sys.getsizeof``: the object and its
+#: hash table), measured once for n < 64 on this interpreter; larger maps are counted at 64 +
+#: 40 per entry, above what they cost (about 21-35 per entry).
+_MAP_SIZE: Final = tuple(
+    sys.getsizeof(msgpack.unpackb(msgpack.packb({f"k{i}": None for i in range(n)})))
+    for n in range(64)
+)
+#: What a list of n elements costs (``PyList_New(n)``: 56 bytes and one slot per element).
+_LIST_BASE: Final = sys.getsizeof([])
+
+
+def _charge(body: bytes, budget: int) -> Any:
+    """``body`` decoded, or :class:`_OverBudget` as soon as what it built passes ``budget``
+    bytes (nothing of it is kept then). The scalars are counted first, from the bytes (a pass
+    at C speed); each list and map is counted by a hook as msgpack completes it (the hooks are
+    about a quarter of a microsecond each: a batch of small specs decodes up to about 1.8
+    times slower than with none), so that decoding stops about one container past the budget
+    (plus the slots of the lists still open: at most 2 MiB each)."""
+    classes = body.translate(_SCALAR_CLASS)
+    left = budget - sum(cost * classes.count(code) for code, cost in _SCALAR_COST)
+    del classes
+    if left < 0:
+        raise _OverBudget
+    map_size = _MAP_SIZE
+
+    def charge_map(container: dict[str, Any]) -> dict[str, Any]:
+        nonlocal left
+        n = len(container)
+        left -= map_size[n] if n < 64 else 64 + 40 * n
+        if left < 0:
+            raise _OverBudget
+        return container
+
+    def charge_list(container: list[Any]) -> list[Any]:
+        nonlocal left
+        left -= _LIST_BASE + 8 * len(container)
+        if left < 0:
+            raise _OverBudget
+        return container
+
+    return msgpack.unpackb(
+        body,
+        raw=False,
+        strict_map_key=True,
+        max_array_len=MAX_ARRAY_LEN,
+        max_map_len=MAX_MAP_LEN,
+        object_hook=charge_map,
+        list_hook=charge_list,
+    )
+
+
+def _request_id(body: bytes) -> int | None:
+    """The ``id`` of the message in ``body``, read without building the rest (skipped keys'
+    values are parsed, not built); None if there is none or the body is not a map."""
     try:
-        message = msgpack.unpackb(
-            body,
+        unpacker = msgpack.Unpacker(
             raw=False,
             strict_map_key=True,
             max_array_len=MAX_ARRAY_LEN,
             max_map_len=MAX_MAP_LEN,
+            max_buffer_size=max(len(body), 1),
+        )
+        unpacker.feed(body)
+        for _ in range(min(unpacker.read_map_header(), 3)):  # a request has id, op, args
+            if unpacker.unpack() == "id":  # a key is a str or bin; a bin is read as bytes
+                value = unpacker.unpack()
+                if isinstance(value, int) and not isinstance(value, bool):
+                    return value
+                return None
+            unpacker.skip()
+    except Exception:  # msgpack raises several unrelated types for bad input
+        return None
+    return None
+
+
+def _decode(body: bytes, budget: int | None = None) -> Message | ProtocolError:
+    """The message in ``body``, or the error that stands for it. With a ``budget`` (bytes),
+    decoding stops with ``frame_too_complex`` (carrying the request's id when it can be read)
+    once the lists, maps and small scalars built pass it."""
+    try:
+        if budget is None:
+            message = msgpack.unpackb(
+                body,
+                raw=False,
+                strict_map_key=True,
+                max_array_len=MAX_ARRAY_LEN,
+                max_map_len=MAX_MAP_LEN,
+            )
+        else:
+            message = _charge(body, budget)
+    except _OverBudget:
+        times = (budget or 0) // len(body)
+        return ProtocolError(
+            "frame_too_complex",
+            f"a frame of {len(body)} bytes decodes to more than {times} times "
+            "its size; send it in smaller frames (fewer specs per batch)",
+            _request_id(body),
         )
     except Exception as error:  # msgpack raises several unrelated types for bad input
         if isinstance(error, ValueError) and "exceeds max_" in str(error):
