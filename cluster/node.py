@@ -1127,8 +1127,9 @@ class Node:
     # ------------------------------------------------------------------ effects to workers
 
     def dispatch(self, shard: int, effect: Dispatch) -> bool:
-        """Push the run to its worker; False when the worker is not connected. The caller
-        tells the other shards that the worker's free slots changed (once a batch)."""
+        """Push the run to its worker. True when that took one of the worker's free slots
+        (False: the worker is not connected, or the push repeats one it may have); the
+        caller then tells the other shards that its free slots changed (once a batch)."""
         session = self.workers.get(effect.worker_id)
         if session is None:
             return False  # gone: its lease lapses in the engine, which decides what follows
@@ -1158,6 +1159,8 @@ class Node:
         )
         # The shard that dispatched counted the credit; the others learn the new free count
         # (at their next turn, once however many dispatches happen meanwhile).
+        if effect.again:
+            return False  # a repeat (after a hello it crossed) takes no slot of its own
         session.free = max(0, session.free - 1)
         return True
 
@@ -1701,24 +1704,22 @@ def _run_result(job_id: str, r: dict[str, Any]) -> dict[str, Any]:
 
 
 def _seen(raw: list[Any], shards: int) -> list[int]:
-    """A hello's ``seen``: ``[[shard, seq], ...]``, the newest dispatch number the worker
-    received of each shard (:class:`engine.effects.WorkerHello`); by shard, 0 where absent."""
-    if len(raw) > shards:
-        raise BadArgs(f"seen: at most one entry per shard ({shards})", None, "seen")
+    """A hello's (or heartbeat's) ``seen``: ``[[shard, seq], ...]``, the newest dispatch
+    number the worker received of each shard (:class:`engine.effects.WorkerHello`); by
+    shard, 0 where absent. Entries for shards this node does not have are ignored: a worker
+    that heard an earlier node at this address (another shard count) must still get in."""
     out = [0] * shards
-    for i, item in enumerate(raw):
+    for i, item in enumerate(raw[:MAX_LIMIT]):
         if (
             not isinstance(item, list)
             or len(item) != 2
             or not isinstance(item[0], int)
             or not isinstance(item[1], int)
-            or not 0 <= item[0] < shards
             or item[1] < 0
         ):
-            raise BadArgs(
-                f"seen[{i}]: must be [shard, seq] with 0 <= shard < {shards}", None, f"seen[{i}]"
-            )
-        out[item[0]] = item[1]
+            raise BadArgs(f"seen[{i}]: must be [shard, seq], seq >= 0", None, f"seen[{i}]")
+        if 0 <= item[0] < shards:
+            out[item[0]] = max(out[item[0]], item[1])
     return out
 
 

@@ -52,6 +52,8 @@ HEARTBEAT_FRACTION = 3
 #: the fence timer's lateness and the SIGKILL's delivery (fencing kills at once, no grace)
 FENCE_MARGIN_MS = 2_000
 #: why a fenced task was stopped (its output's last line says so)
+#: attempts a worker remembers having let go (``WorkerAgent._dropped``)
+MAX_DROPPED = 65_536
 FENCED = "fenced: no heartbeat acknowledged within the lease"
 
 PayloadHandler = Callable[[RunTicket, Callable[[str, bytes], Awaitable[None]]], Awaitable[int]]
@@ -181,6 +183,13 @@ class WorkerAgent:
         self._fence_wake: trio.Event | None = None  # wakes the fence timer (_fence_timer)
         self._fence_due = True  # the fence deadline has passed: a new task wakes the timer
         self._greeting = False  # a hello again (_greet_again) is under way
+        self._greet_after = False  # and another was asked for meanwhile: one more follows
+        #: run id -> token of the newest attempt this worker let go or dropped unstarted
+        #: (fenced, superseded, killed while waiting): a repeat of it is never run. The node
+        #: sends a run again when the hello it crossed was built before its dispatch came,
+        #: and this worker may have dropped it since. Bounded: the oldest are forgotten (a
+        #: repeat comes within a hello's round trip, long before 65,536 more drops).
+        self._dropped: dict[str, int] = {}
         #: send each output chunk's offset (off once a node refuses the argument)
         self.output_offsets = True
         self.client: Client
@@ -265,13 +274,19 @@ class WorkerAgent:
         if not self._greeting:
             self._greeting = True
             self.nursery.start_soon(self._hello_until_answered)
+        else:
+            # The hello under way was built before whatever asks now (runs dropped since,
+            # say): it cannot tell the node, so one more hello follows it.
+            self._greet_after = True
 
     async def _hello_until_answered(self) -> None:
         try:
             while True:
                 try:
+                    self._greet_after = False
                     await self._hello()
-                    return
+                    if not self._greet_after:
+                        return
                 except ClientError as exc:
                     log.warning("hello failed: %s; retrying", exc)
                     await trio.sleep(0.5)
@@ -348,6 +363,8 @@ class WorkerAgent:
         self.fenced += 1
         for rid, held in doomed:
             self._let_go(rid, held, FENCED)
+        for ticket in self.waiting:
+            self._drop_attempt(ticket.run_id, ticket.token)
         self.waiting.clear()
         self._greet_again()
 
@@ -359,6 +376,16 @@ class WorkerAgent:
             del self.held[rid]
         if held.outcome is None:
             held.stop(reason, at_once=True)
+            self._drop_attempt(rid, held.ticket.token)
+
+    def _drop_attempt(self, rid: str, token: int) -> None:
+        """Never run attempt ``token`` of ``rid`` (or an older one) again here."""
+        dropped = self._dropped
+        if token > dropped.get(rid, -1):
+            dropped.pop(rid, None)  # renewed: the newest drops are the last forgotten
+            if len(dropped) >= MAX_DROPPED:
+                del dropped[next(iter(dropped))]  # the oldest
+            dropped[rid] = token
 
     def _accepts(self, ticket: RunTicket) -> bool:
         """Whether a dispatch passes the epoch fence: refused when its token's epoch is older
@@ -393,6 +420,8 @@ class WorkerAgent:
         if not self._accepts(ticket):
             return
         rid = ticket.run_id
+        if self._dropped and self._dropped.get(rid, -1) >= ticket.token:
+            return  # an attempt it let go, sent again: never run twice
         held = self.held.get(rid)
         if held is not None:
             if ticket.token <= held.ticket.token:
@@ -421,11 +450,14 @@ class WorkerAgent:
             held = self.held.get(message["run_id"])
             if held is not None and held.ticket.token == message["token"]:
                 held.stop(str(message.get("reason", "killed by the node")))
+            before = len(self.waiting)
             self.waiting = [
                 t
                 for t in self.waiting
                 if not (t.run_id == message["run_id"] and t.token == message["token"])
             ]
+            if len(self.waiting) < before:
+                self._drop_attempt(message["run_id"], message["token"])
         elif kind == "refused":
             log.warning("node refused a report: %s", message.get("message"))
             self._greet_again()

@@ -236,6 +236,9 @@ class Dispatch(NamedTuple):
     #: bits, as a fencing token): a driver delivers them to a worker in that order, so the
     #: highest a worker received says which of them it had (:class:`WorkerHello`)
     seq: int = 0
+    #: a repeat of a dispatch the worker may already have (sent again after a hello): it
+    #: takes no slot of the worker's that the first did not take
+    again: bool = False
 
 
 @dataclass(frozen=True)

@@ -1728,10 +1728,16 @@ class ShardEngine:
         return again
 
     def _send_again(self, worker: _Worker, run: _Run) -> None:
-        """The same attempt (same token) to the same worker, numbered anew."""
+        """The same attempt (same token) to the same worker, numbered anew. A run whose
+        timeout already asked for a kill gets the kill again instead: it must not start now
+        (if its dispatch still arrives, the kill follows it)."""
+        rid = self._run_id(run)
+        if run.stopping:
+            self._out.append(Kill(worker.worker_id, rid, run.token, "timed out"))
+            return
         job_id, task = self._job_and_task(run)
-        ticket = self._ticket(run, self._run_id(run), run.job_id or str(job_id), task)
-        self._out.append(self._numbered(run, worker.worker_id, ticket))
+        ticket = self._ticket(run, rid, run.job_id or str(job_id), task)
+        self._out.append(self._numbered(run, worker.worker_id, ticket)._replace(again=True))
 
     @staticmethod
     def _ticket(run: _Run, rid: str, job_id: str, task: dict[str, Any]) -> RunTicket:

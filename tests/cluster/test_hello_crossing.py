@@ -14,9 +14,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import pytest
 import trio
 
-from cluster.client import Client
+from cluster.client import Client, RemoteError
 from cluster.worker import WorkerAgent
 from engine.effects import RunTicket
 from engine.runs import FINAL_VALUES
@@ -82,3 +83,47 @@ def test_hellos_crossing_dispatches_neither_repeat_nor_lose_a_run(tmp_path: Path
     assert max(executed.values()) == 1, [rid for rid, n in executed.items() if n > 1]
     assert attempts == {1}
     assert Counter(r["state"] for r in runs) == {"SUCCESS": JOBS}
+
+
+def test_seen_names_shards_the_node_may_not_have_and_repeats_take_no_slot(
+    tmp_path: Path,
+) -> None:
+    """A worker that heard an earlier node at this address (more shards) still gets in; a
+    malformed entry is a typed error; a repeated dispatch leaves the worker's free slots."""
+    node = NodeProc(tmp_path / "data", tmp_path / "node.log", shards=2)
+    try:
+
+        async def main() -> None:
+            async with Client.connect("127.0.0.1", node.port) as client:
+                hello = {"worker_id": "w", "tiers": ["default"], "slots": 2, "instance": "p"}
+                result = await client.request("worker.hello", {**hello, "seen": [[5, 99]]})
+                assert result["shards"] == 2
+                await client.request("worker.heartbeat", {"held": [], "seen": [[7, 1]]})
+                with pytest.raises(RemoteError) as refused:
+                    await client.request("worker.hello", {**hello, "seen": [[0, -1]]})
+                assert (refused.value.code, refused.value.field) == ("bad_args", "seen[0]")
+
+        trio.run(main)
+    finally:
+        node.terminate()
+
+
+def test_a_repeated_dispatch_takes_no_free_slot(tmp_path: Path) -> None:
+    from cluster.node import Node, WorkerSession
+    from engine.effects import Dispatch
+
+    pushed: list[dict[str, Any]] = []
+
+    class _Conn:
+        worker = None
+
+        def send(self, message: dict[str, Any]) -> None:
+            pushed.append(message)
+
+    node = Node(tmp_path / "data", shards=1)
+    session = WorkerSession("w", ("default",), 3, _Conn())  # type: ignore[arg-type]
+    node.workers["w"] = session
+    ticket = RunTicket("j@1", "j", 1, 1, 5, 1, "at_least_once", "default", None, {}, "kill")
+    assert node.dispatch(0, Dispatch("w", ticket, 11)) and session.free == 2
+    assert not node.dispatch(0, Dispatch("w", ticket, 12, again=True)) and session.free == 2
+    assert [(m["seq"], m["shard"]) for m in pushed] == [(11, 0), (12, 0)]

@@ -428,3 +428,54 @@ def test_output_goes_without_offsets_to_a_node_that_refuses_them() -> None:
         assert not agent.output_offsets
 
     with_scripted_node(body)
+
+
+def test_an_attempt_let_go_is_never_run_again_when_sent_again(tmp_path: Path) -> None:
+    """A node keeps a run whose dispatch a hello had not seen, and sends it again; if the
+    worker let that attempt go meanwhile (a fence), the repeat must not run it a second time
+    (found by review: an at-most-once task ran twice with one token)."""
+    t1 = fencing_token(1, 1)
+    starts = tmp_path / "starts"
+    shell = f'echo x >> {starts}; trap "" TERM; sleep 60'
+    shard = shard_of("job-a", 2)
+
+    async def body(node: ScriptedNode, agent: WorkerAgent) -> None:
+        first = {**dispatch("job-a", 1000, t1, shell), "shard": shard, "seq": 7}
+        await node.push(first)
+        await node.until(lambda: starts.exists())
+        agent._fence()  # its heartbeats went unanswered: let go, hello again
+        await node.until(lambda: len(node.ops("worker.hello")) >= 2)
+        hello = node.ops("worker.hello")[-1]
+        assert hello["held"] == [] and [shard, 7] in hello["seen"]
+        await node.push({**first, "seq": 8})  # the repeat
+        await node.push(dispatch("job-b", 1000, t1, "true"))
+        await node.until(lambda: ("job-b@1000", t1) in node.finished())
+        await trio.sleep(0.3)
+        assert "job-a@1000" not in agent.held
+        assert starts.read_text() == "x\n"
+
+    with_scripted_node(body, kill_grace_s=30.0)
+
+
+def test_a_hello_asked_for_while_one_is_out_follows_it() -> None:
+    """The hello under way was built before the runs dropped since: another must follow,
+    or the node never hears they are gone (found by review: runs kept CLAIMED for good)."""
+
+    async def body(node: ScriptedNode, agent: WorkerAgent) -> None:
+        real_request = agent.client.request
+        asked: list[int] = []
+
+        async def request(op: str, args: dict[str, Any], **kw: Any) -> Any:
+            if op == "worker.hello" and not asked:
+                asked.append(1)
+                agent._greet_again()  # a fence while this hello is out
+            return await real_request(op, args, **kw)
+
+        agent.client.request = request  # type: ignore[method-assign]
+        before = len(node.ops("worker.hello"))
+        agent._greet_again()
+        await node.until(lambda: len(node.ops("worker.hello")) >= before + 2)
+        await trio.sleep(0.3)
+        assert len(node.ops("worker.hello")) == before + 2 and not agent._greeting
+
+    with_scripted_node(body)
