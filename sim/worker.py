@@ -84,6 +84,10 @@ class SimWorker:
         self.newest_epoch = [0] * world.shards
         #: per shard, the newest dispatch number this incarnation received (its hellos' seen)
         self.seen = [0] * world.shards
+        #: run id -> the newest attempt (token) it let go (fenced, superseded): a repeat of
+        #: one, sent again after a hello built before the drop, never runs (as the real
+        #: worker's ``_dropped``)
+        self.dropped: dict[str, int] = {}
         self._reconnecting: set[str] = set()
 
     # ================================================================ life cycle
@@ -94,6 +98,7 @@ class SimWorker:
         self.sessions = [_Session() for _ in range(self.w.shards)]
         self.tasks, self.unreported = {}, {}
         self.seen = [0] * self.w.shards
+        self.dropped = {}
         self._reconnecting = set()
         self.k.trace("worker-start", self.name, self.incarnation)
         self._round(self.incarnation)
@@ -347,6 +352,7 @@ class SimWorker:
             self.k.trace("worker-fence", self.name, f"s{shard}", len(doomed))
             for key in doomed:
                 session.starting.pop(key, None)
+                self._drop(key)
                 task = self.tasks.pop(key)
                 self.w.observer.ended(task.execution, "fenced", reported=False)
             # A heartbeat does not tell the node which runs are gone; a hello does (runs it
@@ -365,6 +371,9 @@ class SimWorker:
         key = (ticket.run_id, ticket.token)
         if key in self.tasks or key in self.unreported:
             return  # a repeat (sent again after a hello it crossed): held already
+        if self.dropped.get(ticket.run_id, -1) >= ticket.token:
+            self.k.trace("repeat-refused", self.name, ticket.run_id, ticket.token)
+            return  # an attempt it let go: never run twice
         for (rid, token), task in list(self.tasks.items()):
             if rid != ticket.run_id:
                 continue
@@ -373,6 +382,7 @@ class SimWorker:
             # A newer attempt supersedes the one it runs, as in the real worker: the old
             # task is stopped at once, unreported (the node no longer counts it).
             del self.tasks[(rid, token)]
+            self._drop((rid, token))
             self.sessions[shard].starting.pop((rid, token), None)
             self.w.observer.ended(task.execution, "superseded", reported=False)
         if epoch < newest:
@@ -398,6 +408,11 @@ class SimWorker:
         self._arm_fence(shard)
         self.k.trace("run", self.name, ticket.run_id, ticket.attempt, ticket.token, duration)
         self.k.later(duration, self._finish, self.incarnation, key, outcome)
+
+    def _drop(self, key: tuple[str, int]) -> None:
+        rid, token = key
+        if token > self.dropped.get(rid, -1):
+            self.dropped[rid] = token
 
     def _finish(self, incarnation: int, key: tuple[str, int], outcome: str) -> None:
         if not self.alive or incarnation != self.incarnation:
