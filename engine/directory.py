@@ -40,9 +40,10 @@ class JobDirectory(Protocol):
     def has_run(self, key: int, at: int) -> bool:
         """Whether a durable record says the run of ``key`` scheduled at ``at`` went out
         (was claimed at least once; a run that only fired, and was cancelled or skipped
-        before any worker had it, did not), and retention has not deleted it. Asked only
-        when a create replaces a job (or reuses a cancelled id) with a one-shot time already
-        past."""
+        before any worker had it, did not), and retention has not deleted it (the RocksDB
+        store's retention always keeps each job's newest run, so a one-shot's own run stays;
+        only a time older than the key's newest run may be forgotten). Asked only when a create
+        replaces a job (or reuses a cancelled id) with a one-shot time already past."""
         ...
 
 

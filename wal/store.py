@@ -216,8 +216,11 @@ class StoredJob:
 @dataclass(frozen=True)
 class Retention:
     """How much run history to keep. ``max_age_ms``: runs (and skips, notes and logs) scheduled
-    more than this before ``now`` go; ``max_runs_per_job``: only the newest N runs of a job stay.
-    None disables either. Runs not in a final state are never removed."""
+    more than this before ``now`` go; ``max_runs_per_job``: only the newest N runs of a job stay
+    (N >= 1). None disables either. Runs not in a final state are never removed, and neither is
+    each job's newest run (greatest scheduled time), whatever its age: its last status stays
+    visible, and a one-shot's time that ran is still known as run (``has_run``), so a create
+    naming it again does not owe it twice."""
 
     max_age_ms: int | None = 30 * 86_400_000
     max_runs_per_job: int | None = 1000
@@ -231,6 +234,8 @@ class RetentionReport:
     runs_deleted: int = 0
     jobs_trimmed: int = 0
     kept_in_flight: int = 0
+    #: runs past the policy kept because each is its job's newest
+    kept_newest: int = 0
     ranges: int = 0
     more: bool = False
 
@@ -651,17 +656,22 @@ class ShardStore:
                 # nruns is written with a job's first run, in the same atomic write: no value,
                 # no run ever stored. A value without the time (an older version's): unknown.
                 if raw is None:
-                    jobs[job] = [0, codec.I64_MIN]
-                elif len(raw) >= 16:
-                    jobs[job] = [codec.read_u64(raw), codec.read_i64(raw, 8)]
+                    jobs[job] = [0, codec.I64_MIN, 0]
                 else:
-                    jobs[job] = [codec.read_u64(raw), _UNKNOWN_AT]
+                    jobs[job] = _job_runs_state(raw)
         run_cls = self._run_cls
         new_runs: list[bytes] = []
+        unindexed: list[bytes] = []  # former newest runs retention left out of the time index
         unread: list[tuple[bytes, int, list[int], int]] = []
         for rk, cls, job, at in runs:
             state = jobs[job]
             if at > state[1]:  # after every run the job ever stored: never held
+                if state[2]:
+                    # The newest run until now, which an age pass kept out of the time index
+                    # (it is never deleted while newest), no longer is: index it again, so the
+                    # pass that finds it past the cutoff deletes it.
+                    unindexed.append(_I64_PAIR.pack(job + _I64_OFFSET, state[1] + _I64_OFFSET))
+                    state[2] = 0
                 state[1] = at
                 state[0] += 1
                 added.add(job)
@@ -693,16 +703,14 @@ class ShardStore:
                     counts[4] += delta[1]
         put = wb.put
         bytime = self._h[_BYTIME]
+        if unindexed:
+            new_runs.extend(unindexed)
         for tk in sorted([rk[8:16] + rk[:8] for rk in new_runs]):  # (in key order: see above)
             put(tk, _EMPTY, bytime)
         nruns = self._h[_NRUNS]
         i64 = codec.i64
         for job in sorted(added):
-            n, newest = jobs[job]
-            value = (
-                codec.u64(n) if newest == _UNKNOWN_AT else _I64_PAIR.pack(n, newest + _I64_OFFSET)
-            )
-            put(i64(job), value, nruns)
+            put(i64(job), _job_runs_value(*jobs[job]), nruns)
         return added
 
     def _account_pos(self, entries: list[tuple[bytes, int]], counts: list[int]) -> None:
@@ -821,8 +829,9 @@ class ShardStore:
 
     def has_run(self, key: int, at: int) -> bool:
         """Whether the run of ``key`` at ``at`` is stored as having gone out (claimed at
-        least once: a token), not merely fired; retention may have deleted it. One get and a
-        decode."""
+        least once: a token), not merely fired. Retention keeps each job's newest run (see
+        :meth:`retain`), so a one-shot's run stays; an older run of a job may have been
+        deleted. One get and a decode."""
         raw = self._get(_RUNS, codec.i64(key) + codec.i64(at))
         return raw is not None and _went_out(self._decode(raw[1:]))
 
@@ -1109,11 +1118,29 @@ class ShardStore:
         its runs, history and logs before the cutoff with a few range deletes. By count: for
         jobs given new runs since the last call whose stored run count exceeds
         ``max_runs_per_job``, deletes the oldest excess (O(deleted) reads). Runs not in a final
-        state are kept (ranges are split around them). One write, not synced (deletion is
-        idempotent: a crash only means it is done again). Serialised with writes.
+        state are kept (ranges are split around them), and so is each job's newest run (the
+        greatest scheduled time), with its history and logs, whatever its age: a job's last
+        status stays visible, and ``has_run`` still knows a one-shot's time that ran (a create
+        naming it again must not owe it twice: the run id is the task's idempotency key).
+
+        The time index stays O(expired): an age pass that keeps a job's newest run leaves it
+        out of the index (and marks the job's run count so): a job whose last run is old is
+        not visited again pass after pass. A newer run of the job indexes it again in its own
+        write (:meth:`_account`), so that it ages out as any run once superseded.
+
+        Each pass is one write, not synced (deletion is idempotent: a crash only means it is
+        done again). Serialised with writes. Raises :class:`StoreUsageError` for
+        ``max_entries`` or ``max_runs_per_job`` below 1 or a negative ``max_age_ms``.
         """
         if max_entries < 1:
             raise StoreUsageError(f"max_entries must be at least 1, got {max_entries}")
+        if policy.max_runs_per_job is not None and policy.max_runs_per_job < 1:
+            # (the newest run always stays: a cap of 0 would be a promise not kept)
+            raise StoreUsageError(
+                f"max_runs_per_job must be at least 1, got {policy.max_runs_per_job}"
+            )
+        if policy.max_age_ms is not None and policy.max_age_ms < 0:
+            raise StoreUsageError(f"max_age_ms must be at least 0, got {policy.max_age_ms}")
         report = RetentionReport()
         with self._lock:
             self._check_writable()
@@ -1121,26 +1148,39 @@ class ShardStore:
             # longer hold what the age pass deleted (in one write it counted those twice, and
             # left the per-job counts low for good).
             nruns: dict[int, int]
+            unindexed: dict[int, int]
             if policy.max_age_ms is not None:
-                wb, nruns = WriteBatch(raw_mode=True), {}
-                self._retain_by_age(wb, now_ms - policy.max_age_ms, max_entries, report, nruns)
-                self._write_retention(wb, nruns)
+                wb, nruns, unindexed = WriteBatch(raw_mode=True), {}, {}
+                self._retain_by_age(
+                    wb, now_ms - policy.max_age_ms, max_entries, report, nruns, unindexed
+                )
+                self._write_retention(wb, nruns, unindexed)
             if policy.max_runs_per_job is not None:
                 wb, nruns = WriteBatch(raw_mode=True), {}
                 self._retain_by_count(wb, policy.max_runs_per_job, report, nruns)
-                self._write_retention(wb, nruns)
+                self._write_retention(wb, nruns, {})
         return report
 
-    def _write_retention(self, wb: WriteBatch, nruns: dict[int, int]) -> None:
-        """One retention pass's deletions and the run counts they leave, in one write."""
-        if nruns:
-            order = list(nruns)
-            stored = self._multiget(self._cf[_NRUNS], [codec.i64(j) for j in order])
-            for job, raw in zip(order, stored, strict=True):
-                # keep the newest run time: deleting runs does not make older times new
-                newest = b"" if raw is None else raw[8:16]
-                count = max(0, nruns[job])  # (never below zero, whatever went before)
-                wb.put(codec.i64(job), codec.u64(count) + newest, self._h[_NRUNS])
+    def _write_retention(
+        self, wb: WriteBatch, nruns: dict[int, int], unindexed: dict[int, int]
+    ) -> None:
+        """One retention pass's deletions and the run counts they leave, in one write.
+        ``nruns``: the new run count of jobs that lost runs; ``unindexed``: the newest run
+        time of jobs whose newest run the pass left out of the time index."""
+        jobs = sorted(nruns.keys() | unindexed.keys())
+        if jobs:
+            stored = self._multiget(self._cf[_NRUNS], [codec.i64(j) for j in jobs])
+            for job, raw in zip(jobs, stored, strict=True):
+                n, newest, flag = [0, _UNKNOWN_AT, 0] if raw is None else _job_runs_state(raw)
+                if job in nruns:
+                    n = max(0, nruns[job])  # (never below zero, whatever went before)
+                if job in unindexed:
+                    # The newest stored run (never deleted, so also the newest ever stored
+                    # but in a store whose older retention deleted newer ones: no run after
+                    # it is held, which is all this time promises).
+                    newest, flag = unindexed[job], 1
+                # else keep the newest run time: deleting runs does not make older times new
+                wb.put(codec.i64(job), _job_runs_value(n, newest, flag), self._h[_NRUNS])
         if len(wb):
             # Under the log store's lock too (taken after the store's; an append takes only
             # it), for the write alone: an append between its read of a run's log state and
@@ -1151,7 +1191,7 @@ class ShardStore:
                 self._commit(wb, "deleting old run history", sync=False)
             # Deleted runs are never held again; forget what the caches say of them.
             self._run_cls = {}
-            for job in nruns:
+            for job in jobs:
                 self._job_runs.pop(job, None)
 
     def _retain_by_age(
@@ -1161,6 +1201,7 @@ class ShardStore:
         max_entries: int,
         report: RetentionReport,
         nruns: dict[int, int],
+        unindexed: dict[int, int],
     ) -> None:
         entries = self._scan(_BYTIME, codec.LOW8 * 2, codec.i64(cutoff), limit=max_entries + 1)
         if not entries:
@@ -1176,10 +1217,15 @@ class ShardStore:
         kept: list[tuple[int, int]] = []
         for job in jobs:
             n_before = nruns[job] if job in nruns else self.run_count(job)
-            deleted, keep = self._drop_runs(wb, job, before=cutoff, max_runs=None, report=report)
+            deleted, keep, newest = self._drop_runs(
+                wb, job, before=cutoff, max_runs=None, report=report
+            )
             if deleted:
                 nruns[job] = n_before - deleted
             kept.extend((at, job) for at in keep)
+            if newest is not None:
+                # Out of the index from now on (the range delete below): see retain().
+                unindexed[job] = newest
         # The index up to the cutoff goes in one range; runs still in flight are indexed again
         # (the put follows the range delete in the batch, so it survives it).
         wb.delete_range(codec.LOW8 * 2, index_end, self._h[_BYTIME])
@@ -1199,7 +1245,11 @@ class ShardStore:
             n = nruns.get(job, 0 if raw is None else codec.read_u64(raw))
             if n <= limit:
                 continue
-            deleted, keep = self._drop_runs(wb, job, before=None, max_runs=n - limit, report=report)
+            # (the count pass leaves the time index alone: a kept newest keeps its entry, and
+            # the deleted runs' entries age out, visiting nothing)
+            deleted, keep, _newest = self._drop_runs(
+                wb, job, before=None, max_runs=n - limit, report=report
+            )
             report.kept_in_flight += len(keep)
             if deleted:
                 nruns[job] = n - deleted
@@ -1212,30 +1262,44 @@ class ShardStore:
         before: int | None,
         max_runs: int | None,
         report: RetentionReport,
-    ) -> tuple[int, list[int]]:
+    ) -> tuple[int, list[int], int | None]:
         """Delete job ``job``'s oldest runs — those scheduled before ``before``, or the oldest
-        ``max_runs`` — with their history and logs, as ranges split around runs not in a final
-        state. Returns (runs deleted, times of the runs kept). O(runs visited)."""
-        hi = _bound(job, codec.I64_MAX + 1 if before is None else before)
-        runs = self._scan(_RUNS, codec.i64(job) + codec.LOW8, hi, limit=max_runs)
+        ``max_runs`` — with their history and logs, as ranges split around the runs kept: those
+        not in a final state, and the job's newest run when it is among those visited. Returns
+        (runs deleted, times of the runs kept in flight, time of the newest run kept or None).
+        O(runs visited), plus one seek past them to learn whether the last is the newest."""
+        job_end = _bound(job, codec.I64_MAX + 1)
+        first = codec.i64(job) + codec.LOW8
         if max_runs is not None:
+            # One more than asked: when fewer come, the last visited is the job's newest.
+            runs = self._scan(_RUNS, first, job_end, limit=max_runs + 1)
             if not runs:
-                return 0, []
+                return 0, [], None
+            last_is_newest = len(runs) <= max_runs
+            runs = runs[:max_runs]
             end = codec.read_i64(runs[-1][0], 8) + 1  # just past the newest run visited
         else:
             assert before is not None
+            runs = self._scan(_RUNS, first, _bound(job, before))
+            last_is_newest = bool(runs) and not self._scan(
+                _RUNS, _bound(job, before), job_end, limit=1
+            )
             end = before
         keep: list[int] = []
+        newest: int | None = None
         start = codec.I64_MIN
         segments: list[tuple[int, int]] = []
         deleted = 0
-        for k, v in runs:
+        for i, (k, v) in enumerate(runs):
             at = codec.read_i64(k, 8)
-            state = codec.unpack(v[1:]).get("state")
-            if state in FINAL_VALUES:
-                deleted += 1
-                continue
-            keep.append(at)
+            if last_is_newest and i == len(runs) - 1:
+                newest = at  # whatever its state: it stays, and says nothing is in flight
+            else:
+                state = codec.unpack(v[1:]).get("state")
+                if state in FINAL_VALUES:
+                    deleted += 1
+                    continue
+                keep.append(at)
             if start < at:
                 segments.append((start, at))
             start = at + 1
@@ -1250,7 +1314,9 @@ class ShardStore:
         report.runs_deleted += deleted
         if deleted:
             report.jobs_trimmed += 1
-        return deleted, keep
+        if newest is not None:
+            report.kept_newest += 1
+        return deleted, keep, newest
 
 
 # ===================================================================== helpers
@@ -1292,6 +1358,22 @@ def _job_ticket_fields(raw: bytes) -> tuple[int, str, Any]:
 
 
 _MISSING: Final = object()
+
+
+def _job_runs_state(raw: bytes) -> list[int]:
+    """``[runs stored, newest run time ever stored, 1 if that run is out of the time index]``
+    of a job's ``nruns`` value (the time unknown in values of older versions)."""
+    if len(raw) < 16:
+        return [codec.read_u64(raw), _UNKNOWN_AT, 0]
+    return [codec.read_u64(raw), codec.read_i64(raw, 8), int(raw[16:17] == b"\x01")]
+
+
+def _job_runs_value(n: int, newest: int, unindexed: int) -> bytes:
+    """The ``nruns`` value of :func:`_job_runs_state`'s fields."""
+    if newest == _UNKNOWN_AT:
+        return codec.u64(n)
+    value = _I64_PAIR.pack(n, newest + _I64_OFFSET)
+    return value + b"\x01" if unindexed else value
 
 
 def _array_header(n: int) -> bytes:

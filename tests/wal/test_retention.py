@@ -32,14 +32,15 @@ def test_by_age_removes_old_runs_with_their_history_and_logs(tmp_path: Path) -> 
             store.logs.append(1, T0 + d * DAY, "stdout", b"out")
         now = T0 + 20 * DAY  # cutoff: T0 + 10 days
         report = store.retain(now, AGE)
-        assert report.runs_deleted == 11 and report.jobs_trimmed == 2 and not report.more
+        assert report.runs_deleted == 10 and report.jobs_trimmed == 1 and not report.more
         assert ats(store, 1) == [T0 + d * DAY for d in range(10, 20)]
-        assert ats(store, 2) == []
+        # job 2's only run is past the cutoff but its newest: it stays, the skip before it goes
+        assert ats(store, 2) == [T0 + 3 * DAY] and report.kept_newest == 1
         assert {h["at"] for h in store.history(1, 100)} == {T0 + d * DAY for d in range(10, 20)}
         assert store.history(2) == []
         assert store.logs.read(1, T0).chunks == [] and store.logs.read(1, T0 + 9 * DAY).chunks == []
         assert store.logs.read(1, T0 + 10 * DAY).chunks != []
-        assert store.run_count(1) == 10 and store.run_count(2) == 0
+        assert store.run_count(1) == 10 and store.run_count(2) == 1
         # nothing left to do at the same time
         assert store.retain(now, AGE).runs_deleted == 0
 
@@ -51,13 +52,14 @@ def test_runs_in_flight_are_kept_and_found_again_later(tmp_path: Path) -> None:
         store.write([batch(10 + d, run(1, T0 + d * DAY, s)) for d, s in enumerate(states)])
         store.logs.append(1, T0 + DAY, "stdout", b"still running")
         report = store.retain(T0 + 30 * DAY, AGE)
-        assert report.runs_deleted == 3 and report.kept_in_flight == 2
-        assert ats(store, 1) == [T0 + DAY, T0 + 3 * DAY]
+        assert report.runs_deleted == 2 and report.kept_in_flight == 2
+        assert report.kept_newest == 1  # the CANCELLED one: the job's newest
+        assert ats(store, 1) == [T0 + DAY, T0 + 3 * DAY, T0 + 4 * DAY]
         assert store.logs.read(1, T0 + DAY).chunks[0].data == b"still running"
         # once they finish, a later pass removes them: the time index still knows them
         store.write([batch(20, run(1, T0 + DAY, "SUCCESS"), run(1, T0 + 3 * DAY, "LOST"))])
         assert store.retain(T0 + 31 * DAY, AGE).runs_deleted == 2
-        assert ats(store, 1) == []
+        assert ats(store, 1) == [T0 + 4 * DAY]
 
 
 def test_by_count_keeps_the_newest_runs_per_job(tmp_path: Path) -> None:
@@ -92,8 +94,8 @@ def test_the_age_pass_is_bounded_and_resumes(tmp_path: Path) -> None:
         while report.more:
             report = store.retain(T0 + 11 * DAY, AGE, max_entries=7)
             total += report.runs_deleted
-        assert total == 20
-        assert all(ats(store, k) == [] for k in range(10))
+        assert total == 10  # each job's newest stays
+        assert all(ats(store, k) == [T0 + 1] for k in range(10))
 
 
 def test_retention_and_counts_survive_reopen(tmp_path: Path) -> None:
@@ -168,8 +170,8 @@ def test_counts_stay_true_through_a_backlog_and_later_age_passes(tmp_path: Path)
             if h % 6 == 5:
                 store.retain(T0 + h * HOUR, BOTH)
                 assert store.run_count(1) == len(ats(store, 1)) <= 24
-        store.retain(T0 + 40 * DAY, BOTH)  # everything aged out: no count below zero
-        assert store.run_count(1) == len(ats(store, 1)) == 0
+        store.retain(T0 + 40 * DAY, BOTH)  # everything aged out but the newest
+        assert store.run_count(1) == len(ats(store, 1)) == 1
 
 
 def test_max_entries_below_one_is_a_usage_error(tmp_path: Path) -> None:
@@ -189,7 +191,8 @@ def test_an_append_racing_retention_leaves_no_logs_behind(tmp_path: Path) -> Non
 
     with open_store(tmp_path) as store:
         store.write([created(1)])
-        store.write([batch(2, run(1, T0, "SUCCESS"))])
+        # (and a newer run: the newest is never deleted)
+        store.write([batch(2, run(1, T0, "SUCCESS"), run(1, T0 + 35 * DAY, "SUCCESS"))])
         store.logs.append(1, T0, "stdout", b"its output\n")
         read_state, go_on = threading.Event(), threading.Event()
         real_get = store.logs._get
