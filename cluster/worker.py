@@ -192,6 +192,9 @@ class WorkerAgent:
         self._dropped: dict[str, int] = {}
         #: send each output chunk's offset (off once a node refuses the argument)
         self.output_offsets = True
+        #: send ``instance`` and ``seen`` with hellos and heartbeats (off once a node from
+        #: before them refuses the arguments: a rolling upgrade, workers first)
+        self.dispatch_numbers = True
         self.client: Client
         self.nursery: trio.Nursery
         self.completed = 0
@@ -235,23 +238,44 @@ class WorkerAgent:
         held = [[rid, h.ticket.token] for rid, h in self.held.items()]
         return held + [[t.run_id, t.token] for t in self.waiting]
 
+    def _numbers(self) -> dict[str, Any]:
+        """What it has heard, to go with ``held`` (taken at the same moment): a dispatch
+        numbered after ``seen`` that ``held`` lacks is one crossing the message (or lost with
+        a connection), and the node sends it again rather than give it up."""
+        if not self.dispatch_numbers:
+            return {}
+        return {
+            "instance": self.instance,
+            "seen": [[shard, seq] for shard, seq in self.seen.items()],
+        }
+
+    def _old_node(self, exc: RemoteError) -> bool:
+        """Whether ``exc`` refuses the dispatch numbers (a node from before them): they are
+        not sent again, and the caller retries without (the node then loses every run a
+        hello omits, as it always did)."""
+        if self.dispatch_numbers and exc.code == "bad_args" and exc.field in ("instance", "seen"):
+            log.warning("the node does not take dispatch numbers (%s); going on without", exc)
+            self.dispatch_numbers = False
+            return True
+        return False
+
     async def _hello(self) -> None:
         sent = _mono_ms()
         slots = self._free()
-        result = await self.client.request(
-            "worker.hello",
-            {
+        while True:
+            args = {
                 "worker_id": self.worker_id,
                 "tiers": list(self.tiers),
                 "slots": slots,
-                # What it holds and what it has heard, taken together: a dispatch numbered
-                # after ``seen`` that ``held`` lacks is one crossing this hello (or lost with
-                # a connection), and the node sends it again rather than give it up.
                 "held": self._held_list(),
-                "instance": self.instance,
-                "seen": [[shard, seq] for shard, seq in self.seen.items()],
-            },
-        )
+                **self._numbers(),
+            }
+            try:
+                result = await self.client.request("worker.hello", args)
+                break
+            except RemoteError as exc:
+                if not self._old_node(exc):
+                    raise
         if self._free() != slots:
             # Slots freed (or taken) while the hello was out (the tasks a fence killed end a
             # moment after it; a resent frame can land after a newer hello): the node hears
@@ -317,16 +341,18 @@ class WorkerAgent:
             await trio.sleep_until(next_at)
             sent = _mono_ms()
             try:
+                numbers = self._numbers()
+                numbers.pop("instance", None)  # the connection's hello named it
                 await self.client.request(
                     "worker.heartbeat",
-                    {  # taken together, as in the hello
-                        "held": self._held_list(),
-                        "seen": [[shard, seq] for shard, seq in self.seen.items()],
-                    },
+                    {"held": self._held_list(), **numbers},
                     timeout_s=period_s,
                 )
                 self._acked(sent)
             except RemoteError as exc:
+                if self._old_node(exc):
+                    next_at = trio.current_time() - period_s  # again now, without them
+                    continue
                 log.warning("heartbeat refused: %s", exc)
                 if exc.code == "not_a_worker":
                     self._greet_again()

@@ -479,3 +479,57 @@ def test_a_hello_asked_for_while_one_is_out_follows_it() -> None:
         assert len(node.ops("worker.hello")) == before + 2 and not agent._greeting
 
     with_scripted_node(body)
+
+
+def test_a_node_from_before_dispatch_numbers_is_still_served() -> None:
+    """A rolling upgrade, workers first: a node that refuses ``instance``/``seen`` as unknown
+    arguments gets hellos and heartbeats without them (found by the fourth adversarial pass:
+    every heartbeat was refused, so the worker would fence itself each lease)."""
+
+    def answer(op: str, args: dict[str, Any]) -> dict[str, Any] | None:
+        for name in ("instance", "seen"):
+            if name in args:
+                message = f"unknown argument {name!r} for {op}"
+                return {"error": {"code": "bad_args", "message": message, "field": name}}
+        return node_ref[0].default(op)
+
+    node_ref: list[ScriptedNode] = []
+
+    async def body(node: ScriptedNode, agent: WorkerAgent) -> None:
+        await node.until(lambda: len(node.ops("worker.heartbeat")) >= 2, timeout=10)
+        hellos = node.ops("worker.hello")
+        assert "instance" not in hellos[-1] and not agent.dispatch_numbers
+        assert all("seen" not in beat for beat in node.ops("worker.heartbeat"))
+        assert agent.acked_sent_ms > 0
+
+    async def main() -> None:
+        node = ScriptedNode(lease_ms=900)
+        node_ref.append(node)
+        node.answer = answer
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                listeners = await nursery.start(
+                    partial(trio.serve_tcp, node.serve, 0, host="127.0.0.1")
+                )
+                port = listeners[0].socket.getsockname()[1]
+                agent = WorkerAgent("127.0.0.1", port, worker_id="w-old-node")
+                await nursery.start(agent.run)
+                await body(node, agent)
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_a_heartbeat_refused_for_seen_goes_again_without_it() -> None:
+    async def body(node: ScriptedNode, agent: WorkerAgent) -> None:
+        def answer(op: str, args: dict[str, Any]) -> dict[str, Any] | None:
+            if op == "worker.heartbeat" and "seen" in args:
+                message = "unknown argument 'seen' for worker.heartbeat"
+                return {"error": {"code": "bad_args", "message": message, "field": "seen"}}
+            return node.default(op)
+
+        node.answer = answer
+        await node.until(lambda: any("seen" not in b for b in node.ops("worker.heartbeat")))
+        assert not agent.dispatch_numbers
+
+    with_scripted_node(body, lease_ms=900)
