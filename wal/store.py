@@ -220,10 +220,24 @@ class Retention:
     (N >= 1). None disables either. Runs not in a final state are never removed, and neither is
     each job's newest run (greatest scheduled time), whatever its age: its last status stays
     visible, and a one-shot's time that ran is still known as run (``has_run``), so a create
-    naming it again does not owe it twice."""
+    naming it again does not owe it twice. Past ``max_age_ms`` that run keeps only its record:
+    its logs and notes go as any other's. Raises :class:`StoreUsageError` for
+    ``max_runs_per_job`` below 1 or a negative ``max_age_ms``."""
 
     max_age_ms: int | None = 30 * 86_400_000
     max_runs_per_job: int | None = 1000
+
+    def __post_init__(self) -> None:
+        # Refused when the policy is made (a node's start), not at each pass: a pass refused
+        # every minute would only log, and keep nothing from growing.
+        if self.max_runs_per_job is not None and self.max_runs_per_job < 1:
+            raise StoreUsageError(
+                f"max_runs_per_job must be >= 1 (None: no limit), got {self.max_runs_per_job}"
+            )
+        if self.max_age_ms is not None and self.max_age_ms < 0:
+            raise StoreUsageError(
+                f"max_age_ms must be >= 0 (None: no limit), got {self.max_age_ms}"
+            )
 
 
 @dataclass
@@ -287,6 +301,10 @@ class ShardStore:
         self._counts = [0, 0, 0, 0, 0]
         self._failed: StoreFailure | None = None
         self._touched: set[int] = set()  # jobs given a new run since the last retain()
+        #: where the age pass's sweep of the time index goes on (None: from its start): a
+        #: call that stops at ``max_entries`` resumes past what it visited, so the runs it
+        #: keeps (in flight, indexed again at their time) do not fill the next call too
+        self._age_from: bytes | None = None
         # What this store wrote last, so that a group need not read it back for the counts
         # (exact: the LOCK makes the store the directory's only writer): the class of
         # positions and runs by key, and per job (runs stored, newest run time ever stored).
@@ -1203,22 +1221,31 @@ class ShardStore:
         nruns: dict[int, int],
         unindexed: dict[int, int],
     ) -> None:
-        entries = self._scan(_BYTIME, codec.LOW8 * 2, codec.i64(cutoff), limit=max_entries + 1)
+        index_from = self._age_from or codec.LOW8 * 2
+        self._age_from = None
+        entries = self._scan(_BYTIME, index_from, codec.i64(cutoff), limit=max_entries + 1)
         if not entries:
             return
         index_end = codec.i64(cutoff) + codec.LOW8
         if len(entries) > max_entries:
-            # Stop here; the index is deleted up to the last entry visited, no further, so the
-            # jobs of the entries left are found by the next call.
+            # Stop here; the index is deleted up to the last entry visited, no further, and
+            # the next call goes on from there (found by review: runs kept in flight, indexed
+            # again at their own time, filled every call when there were max_entries of
+            # them, and the node's loop while ``more`` never ended).
             report.more = True
             entries = entries[:max_entries]
             index_end = entries[-1][0] + b"\0"
+            self._age_from = index_end
         jobs = sorted({codec.read_i64(k, 8) for k, _ in entries})
         kept: list[tuple[int, int]] = []
         for job in jobs:
-            n_before = nruns[job] if job in nruns else self.run_count(job)
+            raw = self._get(_NRUNS, codec.i64(job))
+            stored, newest_ever, _flag = (
+                [0, _UNKNOWN_AT, 0] if raw is None else _job_runs_state(raw)
+            )
+            n_before = nruns[job] if job in nruns else stored
             deleted, keep, newest = self._drop_runs(
-                wb, job, before=cutoff, max_runs=None, report=report
+                wb, job, before=cutoff, max_runs=None, report=report, newest_ever=newest_ever
             )
             if deleted:
                 nruns[job] = n_before - deleted
@@ -1228,7 +1255,7 @@ class ShardStore:
                 unindexed[job] = newest
         # The index up to the cutoff goes in one range; runs still in flight are indexed again
         # (the put follows the range delete in the batch, so it survives it).
-        wb.delete_range(codec.LOW8 * 2, index_end, self._h[_BYTIME])
+        wb.delete_range(index_from, index_end, self._h[_BYTIME])
         for at, job in kept:
             wb.put(codec.i64(at) + codec.i64(job), _EMPTY, self._h[_BYTIME])
         report.kept_in_flight += len(kept)
@@ -1262,12 +1289,16 @@ class ShardStore:
         before: int | None,
         max_runs: int | None,
         report: RetentionReport,
+        newest_ever: int = _UNKNOWN_AT,
     ) -> tuple[int, list[int], int | None]:
         """Delete job ``job``'s oldest runs — those scheduled before ``before``, or the oldest
         ``max_runs`` — with their history and logs, as ranges split around the runs kept: those
         not in a final state, and the job's newest run when it is among those visited. Returns
         (runs deleted, times of the runs kept in flight, time of the newest run kept or None).
-        O(runs visited), plus one seek past them to learn whether the last is the newest."""
+        The age pass keeps only the record of a final newest run: its history and logs go
+        (``has_run`` needs the record alone). O(runs visited), plus one seek past them to
+        learn whether the last is the newest, unless ``newest_ever`` (the newest time the
+        job's run count holds, an upper bound of every stored run's) already says so."""
         job_end = _bound(job, codec.I64_MAX + 1)
         first = codec.i64(job) + codec.LOW8
         if max_runs is not None:
@@ -1281,11 +1312,12 @@ class ShardStore:
         else:
             assert before is not None
             runs = self._scan(_RUNS, first, _bound(job, before))
-            last_is_newest = bool(runs) and not self._scan(
-                _RUNS, _bound(job, before), job_end, limit=1
+            last_is_newest = bool(runs) and (
+                newest_ever < before or not self._scan(_RUNS, _bound(job, before), job_end, limit=1)
             )
             end = before
         keep: list[int] = []
+        aged: list[int] = []
         newest: int | None = None
         start = codec.I64_MIN
         segments: list[tuple[int, int]] = []
@@ -1293,7 +1325,13 @@ class ShardStore:
         for i, (k, v) in enumerate(runs):
             at = codec.read_i64(k, 8)
             if last_is_newest and i == len(runs) - 1:
-                newest = at  # whatever its state: it stays, and says nothing is in flight
+                if before is None:
+                    newest = at  # the count pass: whatever its state, it stays
+                elif codec.unpack(v[1:]).get("state") in FINAL_VALUES:
+                    newest = at  # past the age: its record stays, its history goes
+                    aged.append(at)
+                else:
+                    keep.append(at)  # in flight: kept and indexed again, as any run in flight
             else:
                 state = codec.unpack(v[1:]).get("state")
                 if state in FINAL_VALUES:
@@ -1307,10 +1345,15 @@ class ShardStore:
             segments.append((start, end))
         for lo, hi_t in segments:
             a, b = _bound(job, lo), _bound(job, hi_t)
-            wb.delete_range(a, b, self._h[_RUNS])
+            if deleted:
+                wb.delete_range(a, b, self._h[_RUNS])
             wb.delete_range(a, b, self._h[_HISTORY])
             self.logs.drop_into(wb, job, lo, hi_t)
             report.ranges += 1
+        for at in aged:
+            a, b = _bound(job, at), _bound(job, at + 1)
+            wb.delete_range(a, b, self._h[_HISTORY])
+            self.logs.drop_into(wb, job, at, at + 1)
         report.runs_deleted += deleted
         if deleted:
             report.jobs_trimmed += 1

@@ -52,8 +52,10 @@ def test_a_one_shot_run_that_went_out_is_still_known_after_age_retention(tmp_pat
         assert report.runs_deleted == 0 and report.kept_newest == 1
         assert store.has_run(1, T0)  # before the fix: False, and the time was owed again
         assert ats(store, 1) == [T0] and store.run_count(1) == 1
-        assert store.logs.read(1, T0).chunks[0].data == b"sent the invoice\n"
-        assert [h["at"] for h in store.history(1)] == [T0]
+        # Only its record stays: its logs and notes are past the age as any run's (found by
+        # review: a megabyte of output per job, kept for good).
+        assert store.logs.read(1, T0).chunks == []
+        assert store.history(1) == []
         # ... and it stays, pass after pass
         for days in (41, 400, 4000):
             store.retain(T0 + days * DAY, Retention(max_runs_per_job=1))
@@ -111,8 +113,10 @@ def test_the_newest_survives_count_retention_and_goes_once_superseded(tmp_path: 
 
         from wal.errors import StoreUsageError
 
+        with pytest.raises(StoreUsageError):  # when the policy is made, not at each pass
+            Retention(max_age_ms=None, max_runs_per_job=0)
         with pytest.raises(StoreUsageError):
-            store.retain(T0, Retention(max_age_ms=None, max_runs_per_job=0))
+            Retention(max_age_ms=-1)
         assert store.retain(T0 + 20 * DAY, AGE).kept_newest == 1
         # a newer run supersedes it: once that newer run is there, the old one ages out on
         # the next pass, although the time index no longer had it (it is indexed again)
@@ -178,6 +182,8 @@ class RetentionMachine(RuleBasedStateMachine):
         for (j, d), state in list(self.runs.items()):
             if d < cutoff and state in FINAL_VALUES and d != newest[j]:
                 self._model_drop(j, d)
+            elif d < cutoff and state in FINAL_VALUES:
+                self.logs.discard((j, d))  # the newest keeps its record only
 
     def _model_count(self, limit: int) -> None:
         touched, self.touched = self.touched, set()
@@ -285,3 +291,27 @@ RetentionMachine.TestCase.settings = settings(
     phases=(Phase.explicit, Phase.reuse, Phase.generate),
 )
 test_retention_keeps_each_jobs_newest_run = RetentionMachine.TestCase
+
+
+def test_runs_kept_in_flight_do_not_hold_up_the_sweep(tmp_path: Path) -> None:
+    """An age pass that stops at ``max_entries`` goes on past what it visited: the runs it
+    keeps in flight (indexed again at their own time) used to fill every later call, and the
+    node's loop while ``more`` never ended (found by review)."""
+    with open_store(tmp_path) as store:
+        for key in (1, 2, 3):
+            store.write([created(key)])
+            store.write([batch(1 + key, run(key, T0, "PENDING"))])
+        store.write([batch(9, run(3, T0 + DAY, "SUCCESS"), run(3, T0 + 2 * DAY, "SUCCESS"))])
+        policy = Retention(max_age_ms=DAY, max_runs_per_job=None)
+        calls = 0
+        while True:
+            calls += 1
+            assert calls <= 10
+            if not store.retain(T0 + 30 * DAY, policy, max_entries=1).more:
+                break
+        assert ats(store, 3) == [T0, T0 + 2 * DAY]  # the finished older run went
+        # the runs kept in flight are found by the next sweep, once they are final
+        store.write([batch(10, run(1, T0, "SUCCESS"), run(1, T0 + 3 * DAY, "SUCCESS"))])
+        while store.retain(T0 + 30 * DAY, policy, max_entries=1).more:
+            pass
+        assert ats(store, 1) == [T0 + 3 * DAY]
