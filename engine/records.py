@@ -10,7 +10,9 @@ Shapes (every record also has ``"t"``: its type, ``"v"``: the format version):
 * ``job``: ``key, id, ver, spec`` — a job's full normalized spec at version ``ver``.
 * ``pos``: ``key, next, acct, paused, gone, why`` — where a job stands: its next fire time (None
   when exhausted), the fire time up to which every owed time is accounted for, paused,
-  cancelled, and the reason late fires will be skipped for (``paused`` right after a resume).
+  cancelled, and the reason late fires will be skipped for (``paused`` right after a resume
+  whose missed times are still to fire), or ``asked``: the next fire time is a one-shot time
+  already past that a create or update named, which runs however late.
 * ``fire``: ``keys, ats, vers, next`` — parallel lists, one entry per on-time fire: job
   ``keys[i]`` fired at ``ats[i]``, creating its run PENDING at attempt 1 for version
   ``vers[i]``, and its next fire time is now ``next[i]``. Exactly what a ``run`` record and a

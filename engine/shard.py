@@ -121,6 +121,18 @@ _PAUSED = 1
 _UNSENT = 1 << 63
 _GONE = 2  # cancelled; the key stays, so that the id can be created again as a new version
 _LATE_PAUSED = 4  # fires missed so far were missed while paused (set by resume)
+#: The job's next fire time is a one-shot time already past that a create or update asked
+#: for: it runs however late, whatever the catch-up policy (which is about times the scheduler
+#: missed, while down or paused, not a time just asked for). Persisted as ``why: "asked"``.
+_ASKED = 8
+#: A pos record's ``why`` by the job's flags ``& (_ASKED | _LATE_PAUSED)``: the reason late
+#: fires would be skipped for, or ``asked`` (they are not).
+_POS_WHY: Final = {
+    0: "catchup",
+    _LATE_PAUSED: "paused",
+    _ASKED: "asked",
+    _ASKED | _LATE_PAUSED: "asked",
+}
 
 #: The engine's guards that :attr:`EngineConfig.mutants` may switch off.
 ENGINE_MUTANTS = frozenset({"claim-after-fire", "no-redispatch", "report-ack-before-durable"})
@@ -958,13 +970,16 @@ class ShardEngine:
                 return  # made from the columns, which are already set
             key = r["key"]
             self._unarm(key)
-            flags = self._flags[key] & ~(_PAUSED | _GONE | _LATE_PAUSED)
+            flags = self._flags[key] & ~(_PAUSED | _GONE | _LATE_PAUSED | _ASKED)
             if r["paused"]:
                 flags |= _PAUSED
             if r["gone"]:
                 flags |= _GONE
-            if r.get("why") == "paused":
+            why = r.get("why")
+            if why == "paused":
                 flags |= _LATE_PAUSED
+            elif why == "asked":
+                flags |= _ASKED
             self._flags[key] = flags
             self._held_next.pop(key, None)
             self._set_next(key, r["next"])
@@ -1063,7 +1078,7 @@ class ShardEngine:
                 pid = self._prof[key]
                 self._runs[ref] = _Run(key, at, version, pid, self._profiles[pid].policy)
                 self._add_time(key, at)
-            self._flags[key] &= ~_LATE_PAUSED
+            self._flags[key] &= ~(_LATE_PAUSED | _ASKED)
             self._set_next(key, nxt)
 
     def _apply_run(self, r: Record, recovering: bool) -> None:
@@ -1187,7 +1202,7 @@ class ShardEngine:
                 "acct": acct,
                 "paused": bool(flags & _PAUSED),
                 "gone": gone,
-                "why": "paused" if flags & _LATE_PAUSED else "catchup",
+                "why": _POS_WHY[flags & (_ASKED | _LATE_PAUSED)],
             }
         )
 
@@ -1227,13 +1242,20 @@ class ShardEngine:
         self._pin(key, to_pin, spec.id)
         self._send_registrations(spec.id, (), spec.after)
         self._buffered.pop(key, None)
-        self._flags[key] = _PAUSED if spec.paused else 0
-        self._held_next.pop(key, None)
         nxt = self._first_due(spec, existing)
+        self._flags[key] = (_PAUSED if spec.paused else 0) | self._asked(spec, nxt)
+        self._held_next.pop(key, None)
         self._set_next(key, nxt)
         # Not cancelled: its next fire time is now nxt, in the wheel or held while paused.
         self._persist_pos_at(key, nxt)
         return self._describe_at(key, spec.id, nxt)
+
+    def _asked(self, spec: JobSpec, nxt: int | None) -> int:
+        """``_ASKED`` if ``nxt``, the first time a new version ``spec`` owes, is a one-shot
+        time already past (it runs whatever the catch-up policy says); else 0."""
+        if nxt is not None and nxt <= self._wall and type(spec.schedule) is AtSchedule:
+            return _ASKED
+        return 0
 
     def _runs_to_pin(self, key: int) -> list[tuple[_Run, dict[str, Any]]]:
         """Runs of job ``key`` not final and not pinned yet, with the spec they execute: read
@@ -1303,11 +1325,14 @@ class ShardEngine:
         self._pin(key, to_pin, spec.id)
         self._send_registrations(spec.id, old_after, spec.after)
         # The new version owes its fire times after now (those of the old version up to now
-        # were run or skipped); a replacing create owes what a fresh create would.
-        if as_create:
+        # were run or skipped); a replacing create owes what a fresh create would. A one-shot
+        # time already past is owed by an update as by a create (the caller asked for that
+        # run), unless that time already went out (_first_due).
+        if as_create or isinstance(spec.schedule, AtSchedule):
             nxt = self._first_due(spec, key)
         else:
             nxt = spec.schedule.next_after(self._wall)
+        self._flags[key] = (self._flags[key] & ~(_ASKED | _LATE_PAUSED)) | self._asked(spec, nxt)
         self._set_next(key, nxt)
         self._persist_pos(key)
         return self._describe(key, spec.id)
@@ -1351,10 +1376,23 @@ class ShardEngine:
 
     def _resume(self, cmd: ResumeJob) -> None:
         key = self._job_key(cmd.job_id)
-        if self._flags[key] & _PAUSED:
+        flags = self._flags[key]
+        if flags & _PAUSED:
             nxt = self._held_next.pop(key, None)
-            # Fire times missed while paused are skipped (or caught up) as such.
-            self._flags[key] = (self._flags[key] & ~_PAUSED) | _LATE_PAUSED
+            self._flags[key] = flags & ~(_PAUSED | _LATE_PAUSED)
+            if nxt is not None and nxt <= self._wall and not flags & _ASKED:
+                # Fire times missed while paused go through the catch-up policy here, however
+                # short the pause: left to the wheel, a time less than misfire_ms late would
+                # fire as on time, and so would every one after it (a burst of them all).
+                # Those kept are armed from the first (the wheel fires the rest, and the
+                # backpressure bound still holds); the next regular time runs normally.
+                self._flags[key] |= _LATE_PAUSED
+                keep, after = self._catch_up(key, nxt)
+                if keep:
+                    nxt = keep[0]
+                else:
+                    nxt = after
+                    self._flags[key] &= ~_LATE_PAUSED  # nothing missed is left to fire
             self._set_next(key, nxt)
             self._persist_pos(key)
         self._reply_after_durable(cmd.request_id, self._describe(key, cmd.job_id))
@@ -1434,8 +1472,8 @@ class ShardEngine:
                 active[key] = {times, due}
             else:
                 times.add(due)  # type: ignore[union-attr]
-            if flags[key] & _LATE_PAUSED:
-                flags[key] &= ~_LATE_PAUSED
+            if flags[key] & (_LATE_PAUSED | _ASKED):
+                flags[key] &= ~(_LATE_PAUSED | _ASKED)
             if nxt is not None:
                 wheel.schedule(key, nxt)
             keys.append(key)
@@ -1466,32 +1504,47 @@ class ShardEngine:
     def _fire_job(self, key: int, due: int) -> None:
         """Fire one job due at ``due``: late (the catch-up policy decides), or with runs of
         its own still in flight (the overlap policy decides)."""
-        profile = self._profile(key)
-        schedule, policy, now = profile.schedule, profile.policy, self._wall
-        late = now - due > self.config.misfire_ms
+        schedule = self._profile(key).schedule
+        # A time asked for (a past one-shot of a create or update) is never a missed one.
+        late = self._wall - due > self.config.misfire_ms and not self._flags[key] & _ASKED
         run_at: list[int] = []
         if not late:
             run_at.append(due)
             nxt = schedule.next_after(due) if schedule is not None else None
-            self._flags[key] &= ~_LATE_PAUSED
+            self._flags[key] &= ~(_LATE_PAUSED | _ASKED)
         else:
-            owed, nxt = self._owed(key, schedule, due, now)
-            if policy.catchup == "skip":
-                keep: list[int] = []
-            elif policy.catchup == "latest":
-                keep = owed[-1:]
-            else:
-                window = [t for t in owed if t >= now - policy.catchup_window_ms]
-                keep = window[-policy.max_catchup :]
-            keep_set = set(keep)
-            skipped = [t for t in owed if t not in keep_set]
-            if skipped:  # always a prefix of owed: the policies keep the newest
-                self._skip(key, skipped[0], skipped[-1], len(skipped), self._late_reason(key))
+            keep, nxt = self._catch_up(key, due)
             run_at.extend(keep)
+            # Decided: a later miss is the scheduler's (catchup), not the pause's.
+            self._flags[key] &= ~_LATE_PAUSED
         for at in run_at:
             self._new_run(key, at)
         self._set_next(key, nxt)
         self._persist_pos(key)
+
+    def _catch_up(self, key: int, first: int) -> tuple[list[int], int | None]:
+        """Apply job ``key``'s catch-up policy to its fire times from ``first`` (missed) up to
+        now: record those it does not run as skipped (reason :meth:`_late_reason`); return
+        those it runs, oldest first, and the job's next fire time after them all.
+
+        The times kept are always the newest, consecutive fire times (a suffix of those
+        owed), so a caller may also arm the first of them and let the wheel fire the rest.
+        """
+        profile = self._profile(key)
+        policy, now = profile.policy, self._wall
+        owed, nxt = self._owed(key, profile.schedule, first, now)
+        if policy.catchup == "skip":
+            keep: list[int] = []
+        elif policy.catchup == "latest":
+            keep = owed[-1:]
+        else:
+            window = [t for t in owed if t >= now - policy.catchup_window_ms]
+            keep = window[-policy.max_catchup :]
+        keep_set = set(keep)
+        skipped = [t for t in owed if t not in keep_set]
+        if skipped:  # always a prefix of owed: the policies keep the newest
+            self._skip(key, skipped[0], skipped[-1], len(skipped), self._late_reason(key))
+        return keep, nxt
 
     def _late_reason(self, key: int) -> str:
         return "paused" if self._flags[key] & _LATE_PAUSED else "catchup"
