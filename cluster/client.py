@@ -528,7 +528,10 @@ class Client:
         self, run_id: str, *, poll_s: float = 0.2
     ) -> AsyncIterator[dict[str, Any]]:
         """Every chunk of a run's output as it arrives, until the run is final and all its
-        output has been read. Raises :class:`RemoteError` ``not_found`` for a run that does
+        output has been read. A run final as TIMED_OUT under ``on_timeout=mark`` whose task
+        still runs is followed until its task ends (the page's ``marked_running``; a node
+        before that field, or one restarted meanwhile, does not know: then it ends at the
+        timeout, as before). Raises :class:`RemoteError` ``not_found`` for a run that does
         not exist (or stops existing: retention), whatever the node's version: a page with no
         state (a node before ``run.logs`` refused such runs itself) is checked with
         ``run.get``, so that a follower never waits for a run that will never end."""
@@ -542,6 +545,6 @@ class Client:
                 state = page["state"]
                 if state is None:
                     state = (await self.run(run_id))["state"]  # not_found raises
-                if state in FINAL_VALUES:
+                if state in FINAL_VALUES and not page.get("marked_running"):
                     return
                 await trio.sleep(poll_s)

@@ -586,9 +586,19 @@ class ShardHost:
     async def _deliver_trigger(self, trigger: Trigger) -> None:
         target = self.node.host_of(trigger.job_id)
         reply = await self._until_answered(
-            target, lambda rid: TriggerJob(rid, trigger.job_id, trigger.source_run_id)
+            target,
+            lambda rid: TriggerJob(rid, trigger.job_id, trigger.source_run_id, trigger.depth),
         )
-        if reply.error is not None and not isinstance(reply.error, JobNotFound):
+        if isinstance(reply.error, JobNotFound):
+            # A trigger target that does not exist (never created, or cancelled and gone):
+            # nothing to run, and no retry would change that. Said in the log, so that a
+            # misspelt ``trigger:JOB`` or ``after`` is not silent.
+            log.warning(
+                "trigger of %s from %s dropped: no such job",
+                trigger.job_id,
+                trigger.source_run_id,
+            )
+        elif reply.error is not None:
             log.warning("trigger of %s: %s", trigger.job_id, reply.error)
         self.tell(OutboxDelivered(trigger.seq))
 
@@ -1383,7 +1393,10 @@ class Node:
         record = host.store.run(key, at)
         if record is None:
             raise RunNotFound(f"no run {args['run_id']!r}", field="run_id")
-        return _run_result(job_id, record)
+        result = _run_result(job_id, record)
+        if host.engine.marked_running(args["run_id"]):
+            result["marked_running"] = True  # final TIMED_OUT, its task still runs (mark)
+        return result
 
     async def _run_history(self, conn: Connection, args: dict[str, Any]) -> Any:
         job_id = validate_job_id(args["job_id"], field="job_id")
@@ -1418,6 +1431,9 @@ class Node:
             "cursor": page.cursor,
             "at_end": page.at_end,
             "state": None if record is None else record["state"],
+            # A run final as TIMED_OUT under on_timeout=mark whose task still runs (and
+            # writes output): a follower goes on until this turns false.
+            "marked_running": host.engine.marked_running(args["run_id"]),
         }
 
     # ---- workers

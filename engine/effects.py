@@ -68,11 +68,14 @@ class GetJob:
 @dataclass(frozen=True)
 class TriggerJob:
     """Fire ``job_id`` now on behalf of ``source_run_id`` (a ``trigger:`` handler or an
-    ``after`` dependency); a repeated source is ignored."""
+    ``after`` dependency); a repeated source is ignored. ``depth`` is the source run's chain
+    depth (0: a scheduled run); the triggered run's is one more, and a trigger past
+    ``EngineConfig.max_chain_depth`` is skipped (``chain_too_deep``)."""
 
     request_id: int
     job_id: str
     source_run_id: str
+    depth: int = 0
 
 
 @dataclass(frozen=True)
@@ -269,11 +272,13 @@ class Refused:
 @dataclass(frozen=True)
 class Trigger:
     """Deliver ``TriggerJob(job_id, source_run_id)`` to the job's shard (at least once), then
-    acknowledge with ``OutboxDelivered(seq)``."""
+    acknowledge with ``OutboxDelivered(seq)``. ``depth``: the source run's chain depth,
+    passed on in the ``TriggerJob``."""
 
     seq: int
     job_id: str
     source_run_id: str
+    depth: int = 0
 
 
 @dataclass(frozen=True)

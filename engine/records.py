@@ -20,12 +20,13 @@ Shapes (every record also has ``"t"``: its type, ``"v"``: the format version):
 * ``run``: ``key, at, state, att, tok, w, ver, due, fail, tmo, src, exit, why`` — one run of job
   ``key`` scheduled at ``at``: its state, attempt, fencing token, worker, pinned job version,
   the time a PENDING retry becomes ready, its failure and timeout counts, the source run of a
-  triggered run, the last exit code and a reason.
+  triggered run, the last exit code and a reason; ``dp`` (absent: 0) the chain depth of a
+  triggered run (``EngineConfig.max_chain_depth``).
 * ``skip``: ``key, lo, hi, n, why`` — ``n`` fire times in ``[lo, hi]`` not run, and why.
 * ``note``: ``key, at, tok, what, exit`` — a report that did not count (a superseded attempt's),
   kept in the run's history.
-* ``out`` / ``outdone``: ``seq, job, src`` — a cross-shard trigger in the outbox, and its
-  delivery; with ``dep`` set (``{"up", "on"}``) instead a registration of ``job`` as a
+* ``out`` / ``outdone``: ``seq, job, src`` — a cross-shard trigger in the outbox (``dp``,
+  absent: 0, the source run's chain depth), and its delivery; with ``dep`` set (``{"up", "on"}``) instead a registration of ``job`` as a
   dependent of ``up`` (or its removal), sent to ``up``'s shard.
 * ``dep``: ``up, down, on`` — on the upstream's shard: ``down`` runs after each success of
   ``up`` (or no longer does).

@@ -158,6 +158,12 @@ class EngineConfig:
     #: how long a triggered run's source is remembered to ignore a redelivered trigger; an
     #: outbox redelivers until acknowledged, so this bounds how late a redelivery may come
     trigger_dedupe_ms: int = 86_400_000
+    #: the longest chain of triggered runs (``after`` dependencies and ``trigger:`` timeout
+    #: handlers alike): a scheduled run has depth 0, a run triggered by a run of depth d has
+    #: depth d + 1, and a trigger that would create a run deeper than this is skipped
+    #: (``chain_too_deep``) instead. Bounds a cycle (A after B, B after A), which submit
+    #: cannot see in general: the jobs may live on different shards.
+    max_chain_depth: int = 64
     #: guards switched off on purpose, so the simulation can prove its checks catch the fault:
     #: "claim-after-fire" (an at-most-once run sent before its claim is durable) and
     #: "no-redispatch" (at-least-once runs of a lapsed worker lease not handed out again).
@@ -298,6 +304,9 @@ class _Run:
     #: the :attr:`Dispatch.seq` of this attempt's newest dispatch (``_UNSENT`` while the
     #: dispatch waits for durability; 0 once its worker announced the run: it has it)
     sent: int = 0
+    #: its chain depth: 0 for a scheduled run, one more than its source's for a triggered
+    #: one (see :attr:`EngineConfig.max_chain_depth`); recorded ("dp") when not 0
+    depth: int = 0
 
     @property
     def ref(self) -> RunRef:
@@ -1106,6 +1115,7 @@ class ShardEngine:
             run.source, run.exit, run.why = r["src"], r["exit"], r["why"]
             run.orphan = bool(r.get("cx"))
             run.clock_from = r.get("st")
+            run.depth = r.get("dp", 0)  # absent from records before chain depths: 0
             if r.get("spec") is not None:
                 run.pinned = r["spec"]
             if run.source is not None:
@@ -1147,6 +1157,8 @@ class ShardEngine:
             record["buf"] = True
         if run.orphan:
             record["cx"] = True
+        if run.depth:
+            record["dp"] = run.depth
         if run.clock_from is not None and run.state._value_ in IN_FLIGHT_VALUES:
             record["st"] = run.clock_from
         if run.pinned is not None:
@@ -1363,6 +1375,15 @@ class ShardEngine:
                 # second dispatch if its worker is lost (see _orphaned).
                 run.orphan = True
                 self._persist_run(run, buffered=self._buffered.get(key) == run.at)
+        if cmd.stop_running and self._marked:
+            # Runs final as TIMED_OUT under on_timeout=mark whose tasks still run: the job's
+            # too ("kills runs held by workers"). Their outcome is already recorded; the kill
+            # only stops the task (its report then ends the mark, see _matching). Sent after
+            # this batch, like the other kills, though nothing here depends on it.
+            prefix = cmd.job_id + "@"
+            for rid, (token, worker_id) in self._marked.items():
+                if rid.startswith(prefix):
+                    self._after_durable.append(Kill(worker_id, rid, token, "job cancelled"))
         self._reply_after_durable(cmd.request_id, {"id": cmd.job_id, "cancelled": True})
 
     def _pause(self, cmd: PauseJob) -> None:
@@ -1600,7 +1621,7 @@ class ShardEngine:
             paused = self._flags[key] & _PAUSED
             self._skip(key, nxt, self._wall, -1, "paused" if paused else why)
 
-    def _new_run(self, key: int, at: int, source: str | None = None) -> _Run | None:
+    def _new_run(self, key: int, at: int, source: str | None = None, depth: int = 0) -> _Run | None:
         ref = (key, at)
         if ref in self._runs:
             # A run of this id (job id @ time) is still in flight: an earlier version's, whose
@@ -1632,7 +1653,7 @@ class ShardEngine:
                         Kill(prev.worker, self._run_id(prev), prev.token, "cancel_previous")
                     )
                 self._finalize(prev, RunEvent.CANCEL, why="cancel_previous")
-        run = _Run(key, at, self._ver[key], pid, policy, source=source)
+        run = _Run(key, at, self._ver[key], pid, policy, source=source, depth=depth)
         # Its creating record is in this call's batch: no dispatch of it before that is durable
         # (a triggered run forgotten by a crash would run again under another run id).
         run.fired_batch = self._batch + 1
@@ -1664,6 +1685,17 @@ class ShardEngine:
             self._reply_after_durable(cmd.request_id, {"duplicate": True})
             return
         key = self._job_key(cmd.job_id)
+        depth = cmd.depth + 1
+        if depth > self.config.max_chain_depth:
+            # A chain of triggers this long is a cycle (or as good as one): it ends here,
+            # accounted for as a skip with its source (so a redelivery is still recognised).
+            at = max(self._wall + 1, self._trigger_at.get(key, 0) + 1)
+            self._trigger_at[key] = at
+            self._skip(key, at, at, 1, "chain_too_deep", cmd.source_run_id)
+            self._reply_after_durable(
+                cmd.request_id, {"run_id": run_id(cmd.job_id, at), "skipped": "chain_too_deep"}
+            )
+            return
         if self._flags[key] & _PAUSED:
             # A paused job runs nothing, triggered runs included: the trigger is accounted for
             # as skipped (with its source, so that a redelivery is still recognised).
@@ -1682,7 +1714,7 @@ class ShardEngine:
         while (key, at) in self._runs or at == nxt:
             at += 1
         self._trigger_at[key] = at
-        run = self._new_run(key, at, source=cmd.source_run_id)
+        run = self._new_run(key, at, source=cmd.source_run_id, depth=depth)
         if run is not None:
             run.job_id = cmd.job_id
         self._reply_after_durable(cmd.request_id, {"run_id": run_id(cmd.job_id, at)})
@@ -1699,7 +1731,10 @@ class ShardEngine:
             del self._sources[oldest]
 
     def _send_trigger(self, target_job: str, source: _Run) -> None:
-        self._send(rec.make("out", seq=0, job=target_job, src=self._run_id(source)))
+        out = rec.make("out", seq=0, job=target_job, src=self._run_id(source))
+        if source.depth:
+            out["dp"] = source.depth  # the source's chain depth; absent: 0 (a scheduled run)
+        self._send(out)
 
     def _send_registrations(self, job_id: str, old: tuple[str, ...], new: tuple[str, ...]) -> None:
         """Tell the shards of the jobs ``job_id`` runs after: added ones, and dropped ones."""
@@ -1722,7 +1757,7 @@ class ShardEngine:
         dep = out.get("dep")
         if dep is not None:
             return Register(out["seq"], dep["up"], out["job"], dep["on"])
-        return Trigger(out["seq"], out["job"], out["src"])
+        return Trigger(out["seq"], out["job"], out["src"], out.get("dp", 0))
 
     def _register(self, cmd: RegisterDependent) -> None:
         known = cmd.downstream in self._dependents.get(cmd.upstream, ())
@@ -2324,6 +2359,12 @@ class ShardEngine:
             self._sources[(key, src)] = at
 
     # =============================================================== inspection (tests, sim)
+
+    def marked_running(self, rid: str) -> bool:
+        """Whether run ``rid`` is final TIMED_OUT under ``on_timeout=mark`` while its task
+        still runs on its worker (as far as this engine knows: until the task's report, the
+        worker's lease lapses, or this engine restarts; the mark is not recorded)."""
+        return rid in self._marked
 
     def run_state(self, rid: str) -> RunState | None:
         """The state of a run still in memory (not final), or None."""

@@ -484,7 +484,7 @@ class SimNode:
         hs.requests[self._rid] = ("node", source, src_inc, src_shard, src_epoch, effect.seq)
         command: Command
         if isinstance(effect, Trigger):
-            command = TriggerJob(self._rid, effect.job_id, effect.source_run_id)
+            command = TriggerJob(self._rid, effect.job_id, effect.source_run_id, effect.depth)
         else:
             command = RegisterDependent(self._rid, effect.upstream, effect.downstream, effect.on)
         self._touch(hs, engine=bool(self._call(hs, command)))
