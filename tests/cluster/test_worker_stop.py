@@ -218,3 +218,91 @@ def test_a_node_out_of_reach_is_logged_then_given_up(tmp_path: Path) -> None:
     assert "Traceback" not in done.stderr
     assert done.stderr.count("cannot connect to") >= 2  # each attempt, then the give-up
     assert "gave up after" in done.stderr.splitlines()[-1]
+
+
+def _agent_case(port: int, body: Any) -> Any:
+    """Runs ``body(agent, started)`` next to a library worker whose payload handler waits
+    (``started`` is set at each handler's start)."""
+    import trio
+
+    from cluster.worker import WorkerAgent
+
+    async def main() -> Any:
+        started = trio.Event()
+
+        async def handler(ticket: Any, out: Any) -> int:
+            started.set()
+            await out("stdout", b"payload-start\n")
+            await trio.sleep(60)
+            return 0
+
+        agent = WorkerAgent("127.0.0.1", port, worker_id="lib", slots=2, payload_handler=handler)
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(agent.run)
+                result = await body(agent, started)
+                nursery.cancel_scope.cancel()
+        return result
+
+    return trio.run(main)
+
+
+def test_a_library_worker_stops_with_stop(node: NodeProc) -> None:
+    """``await agent.stop(drain_s)``: the payload handler is cancelled after the drain, its
+    at-most-once run reported killed (FAILED, not LOST), and :meth:`run` ends."""
+    import trio
+
+    async def body(agent: Any, started: Any) -> bool:
+        async with Client.connect("127.0.0.1", node.port) as c:
+            await c.create(
+                {
+                    "id": "pay",
+                    "schedule": in_s(0.5),
+                    "task": {"payload": {"x": 1}},
+                    "delivery": "at_most_once",
+                }
+            )
+        await started.wait()
+        ok: bool = await agent.stop(drain_s=0.5)
+        await trio.sleep(0)
+        return ok
+
+    assert _agent_case(node.port, body) is True
+    assert state(node.port, "pay") == ("FAILED", 1)
+
+
+def test_dispatches_crossing_the_stop_are_never_started(node: NodeProc) -> None:
+    """Dispatches that arrive once the worker is stopping (they crossed its ``worker.pull``
+    of 0 slots; here the pull is held back so that they surely cross it) never start: the
+    at-most-once one is reported killed (FAILED), the at-least-once one handed back (out
+    again as attempt 2, which no one takes: the hello said 0 free slots)."""
+    import trio
+
+    async def body(agent: Any, started: Any) -> None:
+        agent.stopping = True  # as stop() does first, minus the worker.pull
+        async with Client.connect("127.0.0.1", node.port) as c:
+            for job_id, delivery in (("x-amo", "at_most_once"), ("x-alo", "at_least_once")):
+                await c.create(
+                    {
+                        "id": job_id,
+                        "schedule": in_s(0.5),
+                        "task": {"payload": {"x": 1}},
+                        "delivery": delivery,
+                    }
+                )
+            for _ in range(300):
+                amo = await c.history("x-amo", last=1)
+                alo = await c.history("x-alo", last=1)
+                if (
+                    amo
+                    and amo[0]["state"] == "FAILED"
+                    and alo
+                    and (alo[0]["state"], alo[0]["attempt"]) == ("PENDING", 2)
+                ):
+                    break
+                await trio.sleep(0.1)
+        assert not started.is_set()  # no handler ever ran
+
+    _agent_case(node.port, body)
+    assert state(node.port, "x-amo") == ("FAILED", 1)
+    assert state(node.port, "x-alo") == ("PENDING", 2)
