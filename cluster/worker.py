@@ -806,7 +806,7 @@ class WorkerAgent:
             self._drop_attempt(rid, ticket.token)
             self._greet_again()
         elif held.gone is None:
-            if held.hand_back or (self.stopping and outcome == "killed"):
+            if self.stopping and outcome == "killed":
                 log.info("stopped %s (at-most-once): reported killed", rid)
             self._send_finished(rid)
         else:
