@@ -275,7 +275,8 @@ def test_dispatches_crossing_the_stop_are_never_started(node: NodeProc) -> None:
     """Dispatches that arrive once the worker is stopping (they crossed its ``worker.pull``
     of 0 slots; here the pull is held back so that they surely cross it) never start: the
     at-most-once one is reported killed (FAILED), the at-least-once one handed back (out
-    again as attempt 2, which no one takes: the hello said 0 free slots)."""
+    again as attempt 2, which no one takes: the hello said 0 free slots; or, if that hello
+    came first, never sent at all)."""
     import trio
 
     async def body(agent: Any, started: Any) -> None:
@@ -300,9 +301,13 @@ def test_dispatches_crossing_the_stop_are_never_started(node: NodeProc) -> None:
                     and (alo[0]["state"], alo[0]["attempt"]) == ("PENDING", 2)
                 ):
                     break
+                if amo and amo[0]["state"] == "FAILED" and alo and not agent.held:
+                    # The at-least-once run was never dispatched: the hello that turned the
+                    # other away (0 free slots) came first. Still never started: fine.
+                    break
                 await trio.sleep(0.1)
         assert not started.is_set()  # no handler ever ran
 
     _agent_case(node.port, body)
     assert state(node.port, "x-amo") == ("FAILED", 1)
-    assert state(node.port, "x-alo") == ("PENDING", 2)
+    assert state(node.port, "x-alo") in (("PENDING", 2), ("PENDING", 1))  # never FAILED
