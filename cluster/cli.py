@@ -70,16 +70,42 @@ def build_parser() -> argparse.ArgumentParser:
         help="a worker's lease without heartbeats (default 10s; the reattach grace is twice it)",
     )
 
-    worker = sub.add_parser("worker", help="run a worker: pull runs from a node and run them")
+    worker = sub.add_parser(
+        "worker",
+        help="run a worker: pull runs from a node and run them",
+        description=(
+            "Run a worker: pull runs from a node and run them. SIGTERM or SIGINT stops it "
+            "gracefully: it takes no new runs, lets running tasks finish for --drain, then "
+            "stops what is left (SIGTERM, a 5 s grace, SIGKILL) and reports it (an "
+            "at-most-once run as killed; an at-least-once run is handed back and runs "
+            "again elsewhere), waits up to 10 s for the node to acknowledge, and exits 0. "
+            "A second signal skips the drain; a third exits at once."
+        ),
+    )
     worker.add_argument(
         "--connect",
         default=os.environ.get("TICKWHEEL_CONNECT", "127.0.0.1:7070"),
         metavar="HOST:PORT",
+        help="the node (default $TICKWHEEL_CONNECT or 127.0.0.1:7070)",
     )
     worker.add_argument("--tier", action="append", metavar="NAME", help="repeatable")
     worker.add_argument("--slots", type=options.positive_int, default=4, help="tasks at once")
     worker.add_argument("--id", help="worker id (default host-pid)")
     worker.add_argument("--runtime", choices=["docker", "podman"], help="container runtime")
+    worker.add_argument(
+        "--drain",
+        default="30s",
+        metavar="DUR",
+        help="on SIGTERM/SIGINT, how long running tasks may finish before they are stopped "
+        "(default 30s; 0: stop them at once)",
+    )
+    worker.add_argument(
+        "--connect-timeout",
+        default="1h",
+        metavar="DUR",
+        help="give up (exit 1) when the node cannot be reached for this long at start; "
+        "each failed attempt is logged (default 1h)",
+    )
 
     submit = sub.add_parser("submit", help="submit a job (or --file: many)")
     options.add_connect(submit)

@@ -518,28 +518,92 @@ def _leaves(exc: BaseException) -> list[BaseException]:
 
 
 def work(args: argparse.Namespace) -> int:
-    from cluster.worker import WorkerAgent
+    """Run a worker until SIGTERM/SIGINT. The first signal stops it gracefully
+    (:meth:`WorkerAgent.stop`: no new runs, running tasks get ``--drain`` to finish, what is
+    left is stopped and reported, exit 0 once the node has the reports); a second one cuts
+    the drain short; a third exits at once (tasks SIGKILLed, nothing reported). A mistake on
+    the command line prints one line and exits 2; a node that cannot be reached within
+    ``--connect-timeout`` (each failed attempt is logged), or that refuses the worker, one
+    line and exit 1."""
+    import signal
+    from functools import partial
 
+    from cluster.worker import WorkerAgent, WorkerError
+    from engine.errors import EngineUsageError
+    from engine.schedules import parse_duration
+
+    def refuse(message: str, status: int = 2) -> int:
+        err_console.print(f"[red]error[/red] {escape(message)}")
+        return status
+
+    def seconds(text: str, field: str) -> float:
+        if text.strip() in ("0", "0s", "0ms"):
+            return 0.0
+        return parse_duration(text, field=field) / 1000
+
+    try:
+        host, port = parse_address(args.connect)
+    except ClientError as exc:
+        return refuse(f"--connect: {exc}")
+    tiers = tuple(args.tier or ["default"])
+    if not all(tiers):
+        return refuse("--tier: a tier name must not be empty")
+    try:
+        drain_s = seconds(args.drain, "--drain")
+        connect_timeout_s = seconds(args.connect_timeout, "--connect-timeout")
+    except EngineUsageError as exc:
+        return refuse(str(exc))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    host, port = parse_address(args.connect)
+    log = logging.getLogger("tickwheel.worker")
     agent = WorkerAgent(
         host,
         port,
         worker_id=args.id,
-        tiers=tuple(args.tier or ["default"]),
+        tiers=tiers,
         slots=args.slots,
         container_runtime=args.runtime,
+        connect_timeout_s=connect_timeout_s,
     )
 
     async def main() -> None:
-        import signal
-
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(agent.run)
-                async for _ in signals:
-                    nursery.cancel_scope.cancel()
-                    break
 
-    trio.run(main)
+                async def serve() -> None:
+                    await agent.run()
+                    nursery.cancel_scope.cancel()  # ended by the graceful stop
+
+                nursery.start_soon(serve)
+                received = 0
+                async for signum in signals:
+                    received += 1
+                    name = signal.Signals(signum).name
+                    if not agent.serving:
+                        log.info("%s before the worker served: exiting", name)
+                        nursery.cancel_scope.cancel()
+                        break
+                    if received == 1:
+                        log.info("%s: stopping gracefully (again: skip the drain)", name)
+                        nursery.start_soon(partial(agent.stop, drain_s))
+                    elif received == 2:
+                        log.info("%s again: skipping the drain", name)
+                        agent.skip_drain()
+                    else:
+                        log.warning(
+                            "%s a third time: exiting now, tasks SIGKILLed unreported", name
+                        )
+                        nursery.cancel_scope.cancel()
+                        break
+
+    try:
+        trio.run(main)
+    except BaseException as exc:  # sorted below: only failures to serve are ours to word
+        leaves = _leaves(exc)
+        if leaves and all(isinstance(e, WorkerError) for e in leaves):
+            return refuse("; ".join(str(e) for e in leaves), 1)
+        if len(leaves) == 1 and isinstance(leaves[0], RemoteError):
+            return refuse(f"the node refused the worker: {leaves[0]}", 1)
+        if len(leaves) == 1 and leaves[0] is not exc:
+            raise leaves[0] from None
+        raise
     return 0

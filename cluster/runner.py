@@ -36,6 +36,7 @@ __all__ = [
     "CHUNK_BYTES",
     "CONTAINER_RUNTIMES",
     "DRAIN_S",
+    "INHERIT_NEVER_PREFIX",
     "OUTCOMES",
     "RUN_VAR_NAMES",
     "SHELL",
@@ -70,8 +71,8 @@ DRAIN_S: Final = 2.0
 CONTAINER_RUNTIMES: Final = ("docker", "podman")
 #: The shell ``shell`` tasks run through.
 SHELL: Final = "/bin/sh"
-#: Every variable :func:`run_vars` may set. Inherited values of these are dropped first, so a
-#: worker that itself runs under tickwheel never passes its own run's values on to a task.
+#: Every variable :func:`run_vars` may set. A task's own ``env`` cannot set these (and no
+#: inherited ``TICKWHEEL_*`` variable passes: :data:`INHERIT_NEVER_PREFIX`).
 RUN_VAR_NAMES: Final = frozenset(
     {
         "TICKWHEEL_RUN_ID",
@@ -86,6 +87,8 @@ RUN_VAR_NAMES: Final = frozenset(
         "TICKWHEEL_TIMEOUT_MS",
     }
 )
+#: Inherited variables with this prefix never reach a task (:func:`plan_launch`).
+INHERIT_NEVER_PREFIX: Final = "TICKWHEEL_"
 #: Outcomes, as ``ReportFinished.outcome`` spells them.
 OUTCOMES: Final = ("success", "failed", "timed_out", "killed")
 
@@ -350,11 +353,11 @@ def plan_launch(
 ) -> Launch | LaunchRefused:
     """What to start for ``ticket``, decided without starting anything.
 
-    Environment, in increasing precedence: ``base_env`` (the worker's), the task's ``env``,
-    then :func:`run_vars` (a task cannot fake its run id or fence); names in
-    :data:`RUN_VAR_NAMES` are taken from the ticket only, never inherited. A ``container`` task
-    gets only the task's ``env`` and the run variables inside the container; the runtime
-    process itself gets the whole environment. The runtime is looked up on
+    Environment, in increasing precedence: ``base_env`` (the worker's) without any
+    ``TICKWHEEL_*`` variable, the task's ``env``, then :func:`run_vars` (a task cannot fake
+    its run id or fence); names in :data:`RUN_VAR_NAMES` are taken from the ticket only. A
+    ``container`` task gets only the task's ``env`` and the run variables inside the
+    container; the runtime process itself gets the rest of the environment too. The runtime is looked up on
     ``base_env["PATH"]``.
 
     Raises :class:`TaskNotRunnable` (payload, malformed task). Returns :class:`LaunchRefused`
@@ -363,7 +366,10 @@ def plan_launch(
     task = ticket.task
     own_env = {k: v for k, v in task.get("env", {}).items() if k not in RUN_VAR_NAMES}
     system = run_vars(ticket)
-    env = {k: v for k, v in base_env.items() if k not in RUN_VAR_NAMES}
+    # No TICKWHEEL_* variable of the worker's own environment is passed on: not a run
+    # variable (a worker that itself runs under tickwheel), and not the worker's settings
+    # (TICKWHEEL_CONNECT): a task that wants one sets it in its own ``env``.
+    env = {k: v for k, v in base_env.items() if not k.startswith(INHERIT_NEVER_PREFIX)}
     env.update(own_env)
     env.update(system)
     cwd: str | None = task.get("cwd")

@@ -10,6 +10,16 @@ tasks at once (SIGKILL, no grace: :func:`engine.lease.worker_fence_at`), since t
 treat them as lost or hand them out again (DESIGN.md, "Workers fence themselves"), and says
 hello again without them. A timer watches that deadline, moved by every acknowledgement.
 
+A graceful stop (:meth:`WorkerAgent.stop`, the command line's SIGTERM or SIGINT) takes no new
+run (the node hears 0 free slots), lets the running tasks finish for a drain period, stops
+what is left (SIGTERM, the grace, SIGKILL), then reports it: an at-most-once run as
+``killed`` (final, outcome known: not LOST), an at-least-once one handed back by a hello
+without it (the node sends it out again at once, a new attempt, as after a lost worker; a
+``killed`` report would make it FAILED). Dispatches that still arrive are never started: an
+at-least-once one is handed back the same way, an at-most-once one reported ``killed``
+(:func:`stop_disposition`). It waits (bounded) for the node to acknowledge all that, then
+ends :meth:`WorkerAgent.run`.
+
 A dispatch is keyed by (run id, token): a repeat is ignored, a newer attempt of a run it holds
 supersedes the old one (stopped at once, its reports dropped), and one stamped with an epoch
 older than the newest this worker has seen for the job's shard is refused
@@ -51,12 +61,39 @@ HEARTBEAT_FRACTION = 3
 #: the worker fences itself this long before its lease could lapse on the node: the slack for
 #: the fence timer's lateness and the SIGKILL's delivery (fencing kills at once, no grace)
 FENCE_MARGIN_MS = 2_000
-#: why a fenced task was stopped (its output's last line says so)
 #: attempts a worker remembers having let go (``WorkerAgent._dropped``)
 MAX_DROPPED = 65_536
+#: why a fenced task was stopped (its output's last line says so)
 FENCED = "fenced: no heartbeat acknowledged within the lease"
+#: why a task still running at the end of a graceful stop's drain was stopped
+STOPPING = "the worker is stopping"
+#: a graceful stop's defaults: the drain, and the wait for the node's acknowledgements
+DEFAULT_DRAIN_S = 30.0
+DEFAULT_ACK_TIMEOUT_S = 10.0
+#: how often a graceful stop looks whether what it waits for has happened
+STOP_POLL_S = 0.05
+#: how long the first connection is tried before the worker gives up (``connect_timeout_s``)
+DEFAULT_CONNECT_TIMEOUT_S = 3600.0
 
 PayloadHandler = Callable[[RunTicket, Callable[[str, bytes], Awaitable[None]]], Awaitable[int]]
+
+
+class WorkerError(Exception):
+    """The worker cannot serve: no connection to the node within ``connect_timeout_s``."""
+
+
+def stop_disposition(delivery: str) -> str:
+    """What a stopping worker does with a run it will not finish (stopped at the end of the
+    drain, or dispatched while stopping and never started): ``report`` it as ``killed``, or
+    ``hand_back`` (unreported, and a hello without it).
+
+    At-most-once: ``report``. The node can never send it again, and without a report it
+    becomes LOST once the lease and the reattach grace lapse ("outcome unknown") although the
+    worker knows the outcome: a killed run is FAILED, final, with the reason. At-least-once:
+    ``hand_back``. It is owed until it completes, and the node sends it out again at once (a
+    new attempt, no retry used), as for a worker that is gone; a ``killed`` report would make
+    it FAILED with no retry at all."""
+    return "report" if delivery == "at_most_once" else "hand_back"
 
 
 def ticket_of(run: dict[str, Any]) -> RunTicket:
@@ -88,7 +125,7 @@ class _Runner:
 class _Held:
     """A run this worker holds, from its dispatch until the node has its final report."""
 
-    __slots__ = ("_handle", "gone", "outcome", "reporting", "scope", "ticket")
+    __slots__ = ("_handle", "gone", "hand_back", "outcome", "reporting", "scope", "ticket")
 
     def __init__(self, ticket: RunTicket) -> None:
         self.ticket = ticket
@@ -100,12 +137,20 @@ class _Held:
         self.gone: str | None = None
         #: a payload run's handler, while it runs (cancelled by a kill or a fence)
         self.scope: trio.CancelScope | None = None
+        #: stopped by a graceful stop: if it ends killed, it is handed back, not reported
+        self.hand_back = False
 
     def stop(self, reason: str, *, at_once: bool = False) -> None:
-        """Stop the task (a command's process group; a payload handler is cancelled)."""
+        """Stop the task (a command's process group; a payload handler is cancelled). One
+        not started yet never starts."""
         if self.scope is not None:
             self.scope.cancel()
         self.handle.kill(reason, at_once=at_once)
+
+    @property
+    def stopped(self) -> bool:
+        """Whether a stop was asked for (before its task started, too)."""
+        return self._handle is not None and self._handle.kill_reason is not None
 
     @property
     def handle(self) -> RunHandle:
@@ -153,6 +198,7 @@ class WorkerAgent:
         kill_grace_s: float = 5.0,
         container_runtime: str | None = None,
         payload_handler: PayloadHandler | None = None,
+        connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
     ) -> None:
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
@@ -163,6 +209,12 @@ class WorkerAgent:
         self.kill_grace_s = kill_grace_s
         self.container_runtime = container_runtime
         self.payload_handler = payload_handler
+        self.connect_timeout_s = connect_timeout_s
+        #: serving: the first hello was answered (:meth:`run`)
+        self.serving = False
+        #: a graceful stop is under way (:meth:`stop`): no new run starts, 0 free slots
+        self.stopping = False
+        self._drain_cut = trio.Event()  # set: the drain ends now (:meth:`skip_drain`)
         self.held: dict[str, _Held] = {}  # run id -> the attempt of it this worker holds
         #: names this process to the node, whose hello answer depends on it: only the process
         #: a run was dispatched to can say whether it received it (``seen``)
@@ -213,7 +265,11 @@ class WorkerAgent:
     # ------------------------------------------------------------------ lifecycle
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Serve until cancelled. Reconnects whenever the node goes away."""
+        """Serve until cancelled, or until :meth:`stop` ends it. Reconnects whenever the node
+        goes away. The first connection is tried for ``connect_timeout_s``, with a warning
+        logged at each failed attempt; then :class:`WorkerError`. A hello the node refuses
+        raises its :class:`RemoteError`."""
+        await self._reach_node()
         async with Client.connect(self.host, self.port, timeout_s=3600) as client:
             self.client = client
             client.on_reconnect = self._hello
@@ -224,12 +280,147 @@ class WorkerAgent:
                 nursery.start_soon(self._heartbeats)
                 nursery.start_soon(self._fence_timer)
                 nursery.start_soon(self._reporter)
+                self.serving = True
+                log.info(
+                    "worker %s serving %s: %d slots, tiers %s",
+                    self.worker_id,
+                    f"{self.host}:{self.port}",
+                    self.slots,
+                    ",".join(self.tiers),
+                )
                 task_status.started()
+
+    async def _reach_node(self) -> None:
+        """Wait until a TCP connection to the node can be made (then closed again): each
+        failed attempt is logged (the client's own retries are silent), with a backoff up to
+        5 s; after ``connect_timeout_s``, :class:`WorkerError`. An unresolvable name is
+        retried too: name service can fail for a while as well."""
+        deadline = trio.current_time() + self.connect_timeout_s
+        delay, attempts = 0.5, 0
+        while True:
+            try:
+                stream = await trio.open_tcp_stream(self.host, self.port)
+            except OSError as exc:
+                attempts += 1
+                reason = exc.strerror or str(exc) or type(exc).__name__
+                where = f"{self.host}:{self.port}"
+                if trio.current_time() + delay > deadline:
+                    raise WorkerError(
+                        f"cannot connect to {where}: {reason} "
+                        f"(gave up after {attempts} attempts in {self.connect_timeout_s:g} s)"
+                    ) from None
+                log.warning("cannot connect to %s: %s; retrying in %g s", where, reason, delay)
+                await trio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+            else:
+                await stream.aclose()
+                return
+
+    async def stop(
+        self,
+        drain_s: float = DEFAULT_DRAIN_S,
+        *,
+        ack_timeout_s: float = DEFAULT_ACK_TIMEOUT_S,
+    ) -> bool:
+        """Stop gracefully, then end :meth:`run` (call it from another task while it serves).
+
+        At once: the node is told 0 free slots (``worker.pull``), and no run starts any more
+        (the runs waiting for a slot, and dispatches that still arrive, are turned away as
+        :func:`stop_disposition` says). The running tasks then have up to ``drain_s`` to end
+        on their own, reported as usual (:meth:`skip_drain` cuts the drain short). What still
+        runs is stopped the ordinary way (SIGTERM to the group, the kill grace, SIGKILL; a
+        payload handler is cancelled) and reported or handed back (:func:`stop_disposition`).
+        Then up to ``ack_timeout_s`` for the node to acknowledge those reports and the hello
+        that hands runs back; runs it has not acknowledged by then are left to the node
+        (their lease lapses). Every step is logged. Returns whether everything was
+        acknowledged. Raises RuntimeError if :meth:`run` is not serving; a second call only
+        cuts the drain short."""
+        if not self.serving:
+            raise RuntimeError("the worker is not serving")
+        if self.stopping:
+            self.skip_drain()
+            return False
+        self.stopping = True
+        log.info(
+            "stopping: no new runs; %d running, drain of up to %g s",
+            self._unfinished(),
+            drain_s,
+        )
+        self._tell_free()
+        waiting, self.waiting = self.waiting, []
+        for ticket in waiting:
+            self._turn_away(ticket)
+        with trio.move_on_after(drain_s):
+            await self._wait_for(lambda: not self._unfinished(), self._drain_cut)
+        left = [(rid, h) for rid, h in self.held.items() if h.outcome is None]
+        if left:
+            log.info("drain over: stopping %d runs: %s", len(left), " ".join(r for r, _ in left))
+        elif self.running:
+            log.info("drain over")
+        for _rid, held in left:
+            held.hand_back = stop_disposition(held.ticket.delivery) == "hand_back"
+            held.stop(STOPPING)
+        # The stop sequence ends within the grace (SIGKILL then); a payload handler that
+        # ignores its cancellation could hold it longer: bounded, then SIGKILL at once.
+        with trio.move_on_after(self.kill_grace_s + 5):
+            await self._wait_for(lambda: not self.running)
+        if self.running:
+            for _rid, held in left:
+                held.stop(STOPPING, at_once=True)
+            with trio.move_on_after(5):
+                await self._wait_for(lambda: not self.running)
+        with trio.move_on_after(ack_timeout_s):
+            await self._wait_for(lambda: not self.held and not self._greeting)
+        done = not self.held and not self._greeting and not self.running
+        if done:
+            log.info("stopped: the node has every report")
+        else:
+            log.warning(
+                "stopped without the node's acknowledgement of %d runs (%s): it learns of "
+                "them when the lease lapses",
+                len(self.held),
+                " ".join(self.held),
+            )
+        self.nursery.cancel_scope.cancel()
+        return done
+
+    def skip_drain(self) -> None:
+        """End a graceful stop's drain now (:meth:`stop`): what runs is stopped at once."""
+        if not self._drain_cut.is_set():
+            log.info("drain cut short")
+            self._drain_cut.set()
+
+    def _unfinished(self) -> int:
+        return sum(1 for h in self.held.values() if h.outcome is None)
+
+    @staticmethod
+    async def _wait_for(done: Callable[[], bool], cut: trio.Event | None = None) -> None:
+        """Until ``done()`` (or ``cut`` is set): polled, since it depends on many events."""
+        while not done() and not (cut is not None and cut.is_set()):
+            await trio.sleep(STOP_POLL_S)
+
+    def _turn_away(self, ticket: RunTicket) -> None:
+        """A run this stopping worker will not start (:func:`stop_disposition`): reported
+        ``killed`` (at-most-once), or handed back by a hello without it (at-least-once). It
+        is never run here, even if its dispatch comes again."""
+        rid = ticket.run_id
+        self._drop_attempt(rid, ticket.token)
+        if stop_disposition(ticket.delivery) == "report":
+            log.info("not starting %s (at-most-once): reported killed", rid)
+            held = _Held(ticket)
+            held.outcome = ("killed", None)
+            self.held[rid] = held
+            self._send_finished(rid)
+        else:
+            log.info("not starting %s (at-least-once): handed back", rid)
+            self._greet_again()
 
     def _running(self) -> int:
         return self.running
 
     def _free(self) -> int:
+        if self.stopping:
+            return 0
         return max(0, self.slots - self.running - len(self.waiting))
 
     def _held_list(self) -> list[list[Any]]:
@@ -459,7 +650,9 @@ class WorkerAgent:
                     return
                 del self.waiting[i]  # superseded before it started
                 break
-        if self.running < self.slots:
+        if self.stopping:
+            self._turn_away(ticket)  # it crossed the worker.pull that said 0 free slots
+        elif self.running < self.slots:
             self._start(ticket)
         else:
             self.waiting.append(ticket)
@@ -563,8 +756,8 @@ class WorkerAgent:
         self._to_start.append(held)
         self._wake_reporter()
         try:
-            if held.gone is not None:
-                outcome, code = "killed", None  # let go before it started
+            if held.gone is not None or held.stopped:
+                outcome, code = "killed", None  # let go or stopped before it started
             elif "payload" in ticket.task:
                 if self.payload_handler is None:
                     await on_output("stderr", b"tickwheel: this worker runs no payload tasks\n")
@@ -603,7 +796,18 @@ class WorkerAgent:
         held.outcome = (outcome, code)
         self.running -= 1
         self.completed += 1
-        if held.gone is None:
+        if held.gone is None and held.hand_back and outcome == "killed":
+            # Stopped by a graceful stop, at-least-once (stop_disposition): handed back to
+            # the node by a hello without it, which sends it out again as a new attempt.
+            log.info("stopped %s (at-least-once): handed back", rid)
+            held.gone = STOPPING
+            if self.held.get(rid) is held:
+                del self.held[rid]
+            self._drop_attempt(rid, ticket.token)
+            self._greet_again()
+        elif held.gone is None:
+            if self.stopping and outcome == "killed":
+                log.info("stopped %s (at-most-once): reported killed", rid)
             self._send_finished(rid)
         else:
             # Superseded or fenced: no longer held, and its report would not count. Its slot

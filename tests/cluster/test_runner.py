@@ -237,15 +237,23 @@ class TestEnvironment:
         assert plan.env["HOME"] == "/h"
         assert plan.env["TICKWHEEL_FENCE"] == str(t.token)  # a task cannot fake its fence
 
-    def test_run_vars_are_never_inherited(self) -> None:
+    def test_no_tickwheel_variable_is_inherited(self) -> None:
         # A worker running under tickwheel itself: its own run's timeout must not leak into a
-        # task without one; other TICKWHEEL_ settings (the worker's connect address) pass.
-        t = ticket({"command": ["env"], "env": {"TICKWHEEL_TIMEOUT_MS": "1"}})
-        inherited = {"TICKWHEEL_TIMEOUT_MS": "9", "TICKWHEEL_CONNECT": "node:7070"}
+        # task without one; nor do the worker's own settings (its connect address). A task
+        # sets one in its own env if it wants it.
+        t = ticket({"command": ["env"], "env": {"TICKWHEEL_TIMEOUT_MS": "1", "TICKWHEEL_X": "t"}})
+        inherited = {
+            "TICKWHEEL_TIMEOUT_MS": "9",
+            "TICKWHEEL_CONNECT": "node:7070",
+            "TICKWHEEL_X": "w",
+            "PATH": "/bin",
+        }
         plan = plan_launch(t, base_env=inherited)
         assert isinstance(plan, Launch)
         assert "TICKWHEEL_TIMEOUT_MS" not in plan.env
-        assert plan.env["TICKWHEEL_CONNECT"] == "node:7070"
+        assert "TICKWHEEL_CONNECT" not in plan.env
+        assert plan.env["TICKWHEEL_X"] == "t"  # the task's own
+        assert plan.env["PATH"] == "/bin"
         assert set(run_vars(t)) <= RUN_VAR_NAMES
 
 
