@@ -42,6 +42,11 @@ class UsageError(ClientError):
 def spec_from_args(args: argparse.Namespace, *, update: bool) -> dict[str, Any]:
     """The (partial, for an update) job spec the options describe."""
     spec: dict[str, Any] = {}
+    if args.tz is not None and not args.tz.strip():
+        # An empty zone used to vanish (the schedule then got the default, UTC): refused.
+        raise UsageError(
+            "--tz is empty: give an IANA zone such as Europe/Berlin (UTC is the default)"
+        )
     if args.tz is not None and args.cron is None:
         # A zone means something to a cron rule only: an --at instant carries its own offset,
         # --every and --in are durations. Refused rather than silently dropped.
@@ -50,14 +55,14 @@ def spec_from_args(args: argparse.Namespace, *, update: bool) -> dict[str, Any]:
                 "--tz applies to --cron only (an --at instant carries its own offset, as in "
                 "2030-01-01T09:00:00+01:00; --every and --in are durations)"
             )
-        if update:
-            raise UsageError(
-                "--tz goes with --cron: give the expression again with the new zone, as in "
-                "job update ID --cron 'EXPR' --tz ZONE (job get ID shows the current one)"
-            )
-        raise UsageError("--tz goes with --cron")
-    if args.cron is not None:
-        spec["schedule"] = {"cron": args.cron, **({"tz": args.tz} if args.tz else {})}
+        if not update:
+            raise UsageError("--tz goes with --cron")
+        # ``job update ID --tz ZONE``: the job's own expression in a new zone; a partial
+        # schedule that merge_update completes from the job (refused there for a job whose
+        # schedule is not cron).
+        spec["schedule"] = {"tz": args.tz}
+    elif args.cron is not None:
+        spec["schedule"] = {"cron": args.cron, **({"tz": args.tz} if args.tz is not None else {})}
     elif args.at is not None:
         spec["schedule"] = {"at": args.at}
     elif args.every is not None:
@@ -95,7 +100,122 @@ def spec_from_args(args: argparse.Namespace, *, update: bool) -> dict[str, Any]:
             raise UsageError("give a schedule: --cron, --at, --every or --in")
         if "task" not in spec:
             raise UsageError("give a task: --command, --shell or --payload")
+    elif not spec:
+        # An update without changes is not a no-op on the node: it makes a new version and
+        # records the fire times owed but not fired as skipped. Refused as a usage error.
+        raise UsageError(
+            "nothing to change: give at least one of --cron, --at, --every, --in, --tz, "
+            "--command, --shell, --payload, --timeout, --on-timeout, --delivery, --tier"
+        )
     return spec
+
+
+#: Per-job options of ``submit`` (argparse dest -> flag). With ``--file`` each line is a whole
+#: spec, so these would be silently ignored: refused instead.
+SUBMIT_JOB_OPTIONS: dict[str, str] = {
+    "id": "--id",
+    "cron": "--cron",
+    "at": "--at",
+    "every": "--every",
+    "in_": "--in",
+    "tz": "--tz",
+    "command_line": "--command",
+    "shell": "--shell",
+    "payload": "--payload",
+    "timeout": "--timeout",
+    "on_timeout": "--on-timeout",
+    "delivery": "--delivery",
+    "tier": "--tier",
+}
+
+#: A cron schedule's fields whose values here are the defaults the node fills in: dropping
+#: them when the kind changes loses nothing, so they are left out of the note that says so.
+_CRON_DEFAULTS: dict[str, str] = {"tz": "UTC", "dst_gap": "shift", "dst_fold": "first"}
+#: Task fields beside the kind; valid for command, shell and container tasks, not payload.
+_TASK_EXTRAS: tuple[str, ...] = ("env", "cwd")
+
+
+def _schedule_kind(schedule: dict[str, Any]) -> str | None:
+    from engine.schedules import KINDS
+
+    return next((k for k in KINDS if k in schedule), None)
+
+
+def _fields(values: dict[str, Any]) -> str:
+    return ", ".join(
+        f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in values.items()
+    )
+
+
+def merge_update(
+    job_id: str, current: dict[str, Any], changes: dict[str, Any]
+) -> tuple[dict[str, Any], list[str]]:
+    """The ``changes`` of a ``job update`` completed from the job as it is (``current``: a
+    ``job.get`` result), and notes for the user on what was kept and what dropped.
+
+    ``job.update`` replaces each top-level key whole, so a new ``--cron`` alone would reset the
+    zone to UTC and drop ``dst_gap``/``dst_fold``/``jitter``/``end``, a new ``--every`` its
+    ``start``/``end``/``jitter``, a new ``--shell`` the task's ``env``/``cwd``. Guarantees:
+
+    - the schedule kind stays (cron -> cron...): every current field not given again is kept
+      (a partial ``{"tz": ZONE}`` from ``--tz`` alone keeps the expression);
+    - the kind changes: only the current fields the new kind accepts (engine/schedules.py:
+      ``end`` and ``jitter``) are kept, the others dropped and named in a note (cron fields at
+      their defaults are not named: they meant nothing);
+    - a new command, shell or container task keeps the current ``env`` and ``cwd``; a payload
+      task takes neither (named in a note).
+
+    Raises :class:`UsageError` for ``--tz`` alone on a job whose schedule is not cron.
+    """
+    from engine.schedules import _KEYS_BY_KIND, KINDS  # the engine's own table of fields
+
+    merged = dict(changes)
+    notes: list[str] = []
+    spec = current.get("spec") or {}
+    if "schedule" in changes and isinstance(spec.get("schedule"), dict):
+        old: dict[str, Any] = spec["schedule"]
+        new: dict[str, Any] = changes["schedule"]
+        old_kind, new_kind = _schedule_kind(old), _schedule_kind(new)
+        if new_kind is None:  # --tz alone
+            if old_kind != "cron":
+                raise UsageError(
+                    f"--tz applies to cron schedules only; job {job_id}'s schedule is "
+                    f"{old_kind}: {_fields(old)}"
+                )
+            new_kind = "cron"
+        extras = {k: v for k, v in old.items() if k not in KINDS and k not in new}
+        if new_kind == old_kind:
+            kept, dropped = extras, {}
+        else:
+            allowed = _KEYS_BY_KIND[new_kind]
+            kept = {k: v for k, v in extras.items() if k in allowed}
+            dropped = {
+                k: v
+                for k, v in extras.items()
+                if k not in allowed and not (old_kind == "cron" and _CRON_DEFAULTS.get(k) == v)
+            }
+        merged["schedule"] = {**{k: v for k, v in old.items() if k == new_kind}, **new, **kept}
+        # The kind's own key first, as people write a schedule.
+        merged["schedule"] = dict(
+            sorted(merged["schedule"].items(), key=lambda kv: kv[0] not in KINDS)
+        )
+        shown = {
+            k: v for k, v in kept.items() if not (new_kind == "cron" and _CRON_DEFAULTS.get(k) == v)
+        }
+        if shown:
+            notes.append(f"kept from the current schedule: {_fields(shown)}")
+        if dropped:
+            notes.append(f"dropped ({new_kind} schedules have no such field): {_fields(dropped)}")
+    if "task" in changes and isinstance(spec.get("task"), dict):
+        old_task: dict[str, Any] = spec["task"]
+        new_task: dict[str, Any] = changes["task"]
+        extras = {k: old_task[k] for k in _TASK_EXTRAS if old_task.get(k) and k not in new_task}
+        if extras and "payload" in new_task:
+            notes.append(f"dropped (a payload task has no such field): {', '.join(extras)}")
+        elif extras:
+            merged["task"] = {**new_task, **extras}
+            notes.append(f"kept from the current task: {', '.join(extras)}")
+    return merged, notes
 
 
 def _now_ms() -> int:
@@ -190,6 +310,14 @@ def run_client_command(args: argparse.Namespace) -> int:
 
 async def cmd_submit(client: Client, args: argparse.Namespace) -> int:
     if args.file is not None:
+        given = [
+            flag for dest, flag in SUBMIT_JOB_OPTIONS.items() if getattr(args, dest) is not None
+        ]
+        if given:
+            raise UsageError(
+                f"--file takes whole specs, one per line: {', '.join(given)} would be ignored "
+                "(put them in the file's lines)"
+            )
         return await _submit_file(client, args)
     spec = spec_from_args(args, update=False)
     if args.id is not None:
@@ -235,8 +363,32 @@ def read_spec_file(path: str) -> list[tuple[int, dict[str, Any]]]:
     return specs
 
 
+def refuse_ended(path: str, numbered: list[tuple[int, dict[str, Any]]], now_ms: int) -> None:
+    """Raise :class:`UsageError` naming ``FILE:LINE`` for the first spec whose
+    ``schedule.end`` is already past at ``now_ms``: the node takes such a job, which then never
+    fires; almost always a mistake (a stale file, a wrong year). Nothing is sent then. An
+    ``end`` that does not parse is left to the node's typed validation."""
+    from engine.errors import EngineUsageError
+    from engine.schedules import format_utc, parse_instant
+
+    for number, spec in numbered:
+        schedule = spec.get("schedule")
+        if not isinstance(schedule, dict) or not isinstance(schedule.get("end"), str):
+            continue
+        try:
+            end_ms = parse_instant(schedule["end"], field="schedule.end")
+        except EngineUsageError:
+            continue
+        if end_ms < now_ms:
+            raise UsageError(
+                f"{path}:{number}: schedule.end {format_utc(end_ms)} is already past: the job "
+                "would never fire (nothing was submitted)"
+            )
+
+
 async def _submit_file(client: Client, args: argparse.Namespace) -> int:
     numbered = read_spec_file(args.file)
+    refuse_ended(args.file, numbered, _now_ms())
     specs = [spec for _number, spec in numbered]
     ids: list[str | None] = []
     failed = 0
@@ -273,7 +425,7 @@ async def cmd_job(client: Client, args: argparse.Namespace) -> int:
     if action == "get":
         result = await client.get(job_id)
     elif action == "update":
-        result = await client.update(job_id, spec_from_args(args, update=True))
+        result = await _update(client, args)
     elif action == "cancel":
         result = await client.cancel(job_id, stop_running=args.stop_running)
     elif action == "pause":
@@ -294,6 +446,55 @@ async def cmd_job(client: Client, args: argparse.Namespace) -> int:
         return 0
     emit(args, result, render_job)
     return 0
+
+
+async def _update(client: Client, args: argparse.Namespace) -> dict[str, Any]:
+    """``job update``: a schedule or task change is completed from the job as it is (see
+    :func:`merge_update`), which takes two requests, a ``job.get`` then the ``job.update``.
+    ``job.update`` has no expected-version argument, so another update landing between the two
+    is not prevented; it is detected (the version did not grow by exactly one) and reported on
+    stderr, the update having been applied over it. Notes go to stderr, so that ``--json``
+    output stays one JSON object."""
+    changes = spec_from_args(args, update=True)
+    current: dict[str, Any] | None = None
+    notes: list[str] = []
+    if "schedule" in changes or "task" in changes:
+        current = await client.get(args.id)
+        changes, notes = merge_update(args.id, current, changes)
+    try:
+        result = await client.update(args.id, changes)
+    except RemoteError as exc:
+        kept = changes.get("schedule", {})
+        field = (exc.field or "").removeprefix("schedule.")
+        if current is not None and field in kept and field not in _given_schedule_fields(args):
+            raise RemoteError(
+                exc.code,
+                f"{exc.message} ({field} was kept from the job's current schedule)",
+                exc.field,
+            ) from None
+        raise
+    for note in notes:
+        err_console.print(f"note: {escape(note)}")
+    if current is not None and result.get("version") != current.get("version", 0) + 1:
+        err_console.print(
+            f"[yellow]warning[/yellow] job {escape(args.id)} changed between reading it "
+            f"(version {current.get('version')}) and this update (now version "
+            f"{result.get('version')}): the update was applied over the other change; "
+            f"check it with job get {escape(args.id)}"
+        )
+    return result
+
+
+def _given_schedule_fields(args: argparse.Namespace) -> set[str]:
+    """The schedule fields the command line itself set."""
+    given = {"tz"} if args.tz is not None else set()
+    if args.cron is not None:
+        given.add("cron")
+    if args.at is not None or args.in_ is not None:
+        given.add("at")
+    if args.every is not None:
+        given.add("every")
+    return given
 
 
 async def cmd_jobs(client: Client, args: argparse.Namespace) -> int:
