@@ -1686,24 +1686,22 @@ class ShardEngine:
             return
         key = self._job_key(cmd.job_id)
         depth = cmd.depth + 1
-        if depth > self.config.max_chain_depth:
-            # A chain of triggers this long is a cycle (or as good as one): it ends here,
-            # accounted for as a skip with its source (so a redelivery is still recognised).
+        # A chain of triggers this long is a cycle (or as good as one): it ends here. A paused
+        # job runs nothing, triggered runs included. Either is accounted for as a skip with its
+        # source (so that a redelivery is still recognised).
+        refused = (
+            "chain_too_deep"
+            if depth > self.config.max_chain_depth
+            else "paused"
+            if self._flags[key] & _PAUSED
+            else None
+        )
+        if refused is not None:
             at = max(self._wall + 1, self._trigger_at.get(key, 0) + 1)
             self._trigger_at[key] = at
-            self._skip(key, at, at, 1, "chain_too_deep", cmd.source_run_id)
+            self._skip(key, at, at, 1, refused, cmd.source_run_id)
             self._reply_after_durable(
-                cmd.request_id, {"run_id": run_id(cmd.job_id, at), "skipped": "chain_too_deep"}
-            )
-            return
-        if self._flags[key] & _PAUSED:
-            # A paused job runs nothing, triggered runs included: the trigger is accounted for
-            # as skipped (with its source, so that a redelivery is still recognised).
-            at = max(self._wall + 1, self._trigger_at.get(key, 0) + 1)
-            self._trigger_at[key] = at
-            self._skip(key, at, at, 1, "paused", cmd.source_run_id)
-            self._reply_after_durable(
-                cmd.request_id, {"run_id": run_id(cmd.job_id, at), "skipped": "paused"}
+                cmd.request_id, {"run_id": run_id(cmd.job_id, at), "skipped": refused}
             )
             return
         # A triggered run's time is just after now, after any earlier trigger of the job and

@@ -35,12 +35,18 @@ def dispatched(node: Node) -> list[Dispatch]:
     return [d for _t, d in node.dispatches]
 
 
-def test_a_hello_crossing_a_dispatch_keeps_the_run_and_sends_it_again() -> None:
+def one_out() -> tuple[Node, Dispatch]:
+    """A worker process (instance "i1") said hello and was sent one run."""
     node = Node()
     hello(node, (), 0)
     once(node, "a")
     node.advance(1000)
     (first,) = dispatched(node)
+    return node, first
+
+
+def test_a_hello_crossing_a_dispatch_keeps_the_run_and_sends_it_again() -> None:
+    node, first = one_out()
     hello(node, (), seen=first.seq - 1)  # left before the dispatch arrived
     again = dispatched(node)[-1]
     assert again.run == first.run and again.seq > first.seq  # same attempt, same token
@@ -50,11 +56,7 @@ def test_a_hello_crossing_a_dispatch_keeps_the_run_and_sends_it_again() -> None:
 
 
 def test_a_hello_that_saw_the_dispatch_and_does_not_hold_it_loses_the_run() -> None:
-    node = Node()
-    hello(node, (), 0)
-    once(node, "a")
-    node.advance(1000)
-    (first,) = dispatched(node)
+    node, first = one_out()
     hello(node, (), seen=first.seq)  # it had it, and dropped it (fenced)
     second = dispatched(node)[-1].run
     assert (second.run_id, second.attempt) == (first.run.run_id, 2)
@@ -118,11 +120,7 @@ def test_dispatch_numbers_follow_the_order_they_leave_in() -> None:
 
 def test_a_start_report_overtaking_the_hello_keeps_the_run_without_sending_it_again() -> None:
     """The node may take a start report sent after a hello before the hello itself."""
-    node = Node()
-    hello(node, (), 0)
-    once(node, "a")
-    node.advance(1000)
-    (first,) = dispatched(node)
+    node, first = one_out()
     node.do(ReportStarted("w1", first.run.run_id, first.run.token))
     hello(node, (), seen=first.seq - 1)  # left before the dispatch arrived
     assert dispatched(node) == [first]
@@ -173,22 +171,14 @@ def test_a_reattached_run_missing_from_a_later_hello_is_lost() -> None:
 def test_a_heartbeat_omitting_a_run_it_had_loses_it() -> None:
     """A worker that dropped a run and kept heartbeating without a hello (a third-party
     worker, say) no longer leaves it RUNNING for good."""
-    node = Node()
-    hello(node, (), 0)
-    once(node, "a")
-    node.advance(1000)
-    (first,) = dispatched(node)
+    node, first = one_out()
     node.do(ReportStarted("w1", first.run.run_id, first.run.token))
     node.do(Heartbeat("w1", (), "i1", first.seq))
     assert dispatched(node)[-1].run.attempt == 2
 
 
 def test_a_heartbeat_leaves_alone_what_it_has_not_seen_and_never_sends_again() -> None:
-    node = Node()
-    hello(node, (), 0)
-    once(node, "a")
-    node.advance(1000)
-    (first,) = dispatched(node)
+    node, first = one_out()
     node.do(Heartbeat("w1", (), "i1", first.seq - 1))
     assert dispatched(node) == [first]
     node.do(ReportFinished("w1", first.run.run_id, first.run.token, "success", 0))
@@ -196,11 +186,7 @@ def test_a_heartbeat_leaves_alone_what_it_has_not_seen_and_never_sends_again() -
 
 
 def test_a_heartbeat_without_seen_or_from_another_process_only_renews() -> None:
-    node = Node()
-    hello(node, (), 0)
-    once(node, "a")
-    node.advance(1000)
-    (first,) = dispatched(node)
+    node, first = one_out()
     node.do(Heartbeat("w1", ()))  # a driver that keeps no count
     node.do(Heartbeat("w1", (), "another", first.seq))
     assert dispatched(node) == [first]
