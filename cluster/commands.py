@@ -167,7 +167,7 @@ def merge_update(
 
     Raises :class:`UsageError` for ``--tz`` alone on a job whose schedule is not cron.
     """
-    from engine.schedules import _KEYS_BY_KIND, KINDS  # the engine's own table of fields
+    from engine.schedules import KEYS_BY_KIND, KINDS  # the engine's own table of fields
 
     merged = dict(changes)
     notes: list[str] = []
@@ -187,7 +187,7 @@ def merge_update(
         if new_kind == old_kind:
             kept, dropped = extras, {}
         else:
-            allowed = _KEYS_BY_KIND[new_kind]
+            allowed = KEYS_BY_KIND[new_kind]
             kept = {k: v for k, v in extras.items() if k in allowed}
             dropped = {
                 k: v

@@ -62,12 +62,12 @@ MAX_INSTANT_MS: Final = 253_402_300_799_999
 
 KINDS: Final = ("cron", "at", "every")
 _COMMON_KEYS: Final = frozenset({"end", "jitter"})
-_KEYS_BY_KIND: Final[dict[str, frozenset[str]]] = {
+KEYS_BY_KIND: Final[dict[str, frozenset[str]]] = {
     "cron": frozenset({"cron", "tz", "dst_gap", "dst_fold"}) | _COMMON_KEYS,
     "at": frozenset({"at"}) | _COMMON_KEYS,
     "every": frozenset({"every", "start"}) | _COMMON_KEYS,
 }
-_ALL_KEYS: Final = frozenset().union(*_KEYS_BY_KIND.values())
+_ALL_KEYS: Final = frozenset().union(*KEYS_BY_KIND.values())
 
 DST_GAP_POLICIES: Final = ("shift", "skip")
 DST_FOLD_POLICIES: Final = ("first", "last", "both")
@@ -931,8 +931,8 @@ def parse_schedule(
         )
     kind = kinds[0]
     for key in spec:
-        if key not in _KEYS_BY_KIND[kind]:
-            owners = [k for k in KINDS if key in _KEYS_BY_KIND[k]]
+        if key not in KEYS_BY_KIND[kind]:
+            owners = [k for k in KINDS if key in KEYS_BY_KIND[k]]
             raise ScheduleError(
                 f"{key!r} applies only to {' and '.join(owners)} schedules, not {kind}",
                 field=f"schedule.{key}",
