@@ -269,7 +269,7 @@ def render_runs(runs: list[dict[str, Any]]) -> None:
                 r["attempt"],
                 r["exit_code"],
                 r["worker"],
-                r["why"],
+                r["why"] or r.get("waiting"),  # a run due that no worker takes: why not
             ]
             for r in runs
         ],

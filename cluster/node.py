@@ -1396,6 +1396,9 @@ class Node:
         result = _run_result(job_id, record)
         if host.engine.marked_running(args["run_id"]):
             result["marked_running"] = True  # final TIMED_OUT, its task still runs (mark)
+        waiting = host.engine.waiting_reason(args["run_id"])
+        if waiting is not None:
+            result["waiting"] = waiting  # found by the fourth adversarial pass: PENDING, no why
         return result
 
     async def _run_history(self, conn: Connection, args: dict[str, Any]) -> Any:

@@ -2364,6 +2364,21 @@ class ShardEngine:
         worker's lease lapses, or this engine restarts; the mark is not recorded)."""
         return rid in self._marked
 
+    def waiting_reason(self, rid: str) -> str | None:
+        """Why run ``rid``, PENDING and due, has not gone out, if this engine knows a reason
+        a user can act on: no worker it knows serves the run's tier, or every one that does
+        has no free slot. None for any other run (not pending, not due yet, unknown)."""
+        run = self._run_by_id(rid)
+        if run is None or run.state is not RunState.PENDING or not self._due_now(run):
+            return None
+        tier = run.policy.tier
+        serving = [w for w in self._workers.values() if tier in w.tiers]
+        if not serving:
+            return f"no worker serves tier {tier!r}"
+        if all(w.credits <= 0 for w in serving):
+            return f"every worker of tier {tier!r} is busy"
+        return None
+
     def run_state(self, rid: str) -> RunState | None:
         """The state of a run still in memory (not final), or None."""
         run = self._run_by_id(rid)
