@@ -438,7 +438,8 @@ async def cmd_job(client: Client, args: argparse.Namespace) -> int:
             args,
             result,
             lambda p: _table(
-                p["description"],
+                p["description"]
+                + (" (paused: these fire only once it is resumed)" if p.get("paused") else ""),
                 ["fire time (UTC)", "local", "note"],
                 [[f["utc"], f["local"], f["note"]] for f in p["fires"]],
             ),

@@ -1369,14 +1369,21 @@ class Node:
         if "schedule" in args:
             schedule = args["schedule"]
         elif job_id is not None:
-            stored = self.host_of(validate_job_id(job_id)).store.job(job_id)
+            host = self.host_of(validate_job_id(job_id))
+            # As job.get (found by the fourth adversarial pass): a cancelled job is not found,
+            # and a paused one says so, its fires waiting for a resume.
+            paused = host.engine.paused(job_id)
+            stored = host.store.job(job_id)
             if stored is None:
                 raise JobNotFound(f"no job {job_id!r}", field="id")
             schedule = stored.spec["schedule"]
         else:
             raise BadArgs("give an id or a schedule", None, "schedule")
         now = wall_ms()
-        return preview(schedule, count, now, job_id=job_id, created_ms=now).to_dict()
+        result = preview(schedule, count, now, job_id=job_id, created_ms=now).to_dict()
+        if job_id is not None and "schedule" not in args:
+            result["paused"] = paused
+        return result
 
     # ---- runs
 

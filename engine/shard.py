@@ -2364,6 +2364,11 @@ class ShardEngine:
         worker's lease lapses, or this engine restarts; the mark is not recorded)."""
         return rid in self._marked
 
+    def paused(self, job_id: str) -> bool:
+        """Whether job ``job_id`` is paused. Raises :class:`JobNotFound` as ``GetJob`` would
+        (never created, or cancelled). What it says may not be durable yet."""
+        return bool(self._flags[self._job_key(job_id)] & _PAUSED)
+
     def waiting_reason(self, rid: str) -> str | None:
         """Why run ``rid``, PENDING and due, has not gone out, if this engine knows a reason
         a user can act on: no worker it knows serves the run's tier, or every one that does

@@ -1,4 +1,5 @@
-"""``run.get`` says why a due run waits (a real node process on 127.0.0.1)."""
+"""What the node says of jobs and runs that wait (a real node process on 127.0.0.1): why a due
+run is not taken (``run.get``'s ``waiting``), and a paused or cancelled job's preview."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import trio
 
-from cluster.client import Client
+from cluster.client import Client, RemoteError
 from tests.cluster.procs import NodeProc
 from tests.cluster.test_node_processes import in_s
 
@@ -37,5 +39,40 @@ def test_a_run_of_a_tier_no_worker_serves_says_so(tmp_path: Path) -> None:
             timeout=60,
         )
         assert shown.returncode == 0 and "no worker serves tier 'gpu'" in shown.stdout
+    finally:
+        node.terminate()
+
+
+def test_preview_of_a_cancelled_job_is_not_found_and_of_a_paused_one_says_so(
+    tmp_path: Path,
+) -> None:
+    """As job.get (found by the fourth adversarial pass: a cancelled job's preview answered,
+    and a paused job's listed fires as if it ran)."""
+    node = NodeProc(tmp_path / "data", tmp_path / "node.log", shards=2)
+    try:
+
+        async def main() -> None:
+            async with Client.connect("127.0.0.1", node.port) as client:
+                for job_id in ("p", "c"):
+                    await client.create(
+                        {"id": job_id, "schedule": {"every": "1h"}, "task": {"payload": 1}}
+                    )
+                assert (await client.preview(job_id="p", count=2))["paused"] is False
+                await client.pause("p")
+                assert (await client.preview(job_id="p", count=2))["paused"] is True
+                await client.cancel("c")
+                with pytest.raises(RemoteError) as gone:
+                    await client.preview(job_id="c", count=2)
+                assert gone.value.code == "not_found"
+
+        trio.run(main)
+        shown = subprocess.run(
+            [sys.executable, "-m", "cluster.cli", "job", "preview", "p"],
+            env={"TICKWHEEL_CONNECT": f"127.0.0.1:{node.port}", "PATH": "/usr/bin:/bin"},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert shown.returncode == 0 and "paused" in shown.stdout, shown
     finally:
         node.terminate()
