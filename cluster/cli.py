@@ -134,6 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
     runs.add_argument("--last", type=options.positive_int, default=20)
     options.add_connect(runs)
 
+    skips = sub.add_parser("skips", help="fire times jobs owed and did not run, and why")
+    skips.add_argument("job_ids", nargs="+", metavar="JOB_ID")
+    skips.add_argument("--last", type=options.positive_int, default=20)
+    options.add_connect(skips)
+
     run = sub.add_parser("run", help="one run's status")
     run.add_argument("run_id", metavar="RUN_ID")
     options.add_connect(run)
@@ -220,7 +225,7 @@ def _main(argv: Sequence[str] | None) -> int:
         from cluster import commands
 
         return commands.serve(args) if args.command == "serve" else commands.work(args)
-    if args.command in ("submit", "job", "jobs", "runs", "run", "logs"):
+    if args.command in ("submit", "job", "jobs", "runs", "skips", "run", "logs"):
         from cluster import commands
 
         return commands.run_client_command(args)

@@ -516,6 +516,12 @@ class Client:
         result = await self.request("run.history", {"job_id": job_id, "last": last})
         return list(result["runs"])
 
+    async def skips(self, job_id: str, *, last: int = 20) -> list[dict[str, Any]]:
+        """The fire times ``job_id`` owed and did not run, newest first, with their reason
+        (``run.skips``)."""
+        result = await self.request("run.skips", {"job_id": job_id, "last": last})
+        return list(result["skips"])
+
     async def logs(self, run_id: str, *, offset: int = 0, limit: int = 256) -> dict[str, Any]:
         """One page of a run's output: ``chunks``, ``cursor`` (the next page's offset),
         ``at_end``, and the run's ``state``."""

@@ -529,6 +529,25 @@ async def cmd_runs(client: Client, args: argparse.Namespace) -> int:
     return 0
 
 
+async def cmd_skips(client: Client, args: argparse.Namespace) -> int:
+    skips: list[dict[str, Any]] = []
+    for job_id in args.job_ids:
+        skips.extend({"job_id": job_id, **s} for s in await client.skips(job_id, last=args.last))
+    emit(
+        args,
+        skips,
+        lambda rows: _table(
+            "skipped fire times",
+            ["job id", "from", "to", "count", "reason", "source"],
+            [
+                [s["job_id"], s["from"], s["to"], s["count"] or "all", s["reason"], s["source"]]
+                for s in rows
+            ],
+        ),
+    )
+    return 0
+
+
 async def cmd_run(client: Client, args: argparse.Namespace) -> int:
     run = await client.run(args.run_id)
     emit(args, run, lambda r: render_runs([r]))
@@ -619,6 +638,7 @@ CLIENT_COMMANDS: dict[str, Callable[[Client, argparse.Namespace], Awaitable[int]
     "job": cmd_job,
     "jobs": cmd_jobs,
     "runs": cmd_runs,
+    "skips": cmd_skips,
     "run": cmd_run,
     "logs": cmd_logs,
 }

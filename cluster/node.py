@@ -1417,6 +1417,26 @@ class Node:
         runs = host.store.last_runs(key, args.get("last", 20))
         return {"runs": [_run_result(job_id, r) for r in runs]}
 
+    async def _run_skips(self, conn: Connection, args: dict[str, Any]) -> Any:
+        """Fire times a job owed and did not run, with the reason (DESIGN's SKIPPED): the
+        ``skip`` records of its history, newest first (found by the fourth adversarial pass:
+        no operation showed them, so a user could not learn why a time did not run)."""
+        job_id = validate_job_id(args["job_id"], field="job_id")
+        host = self.host_of(job_id)
+        key = host.store.key_of(job_id)
+        if key is None:
+            raise JobNotFound(f"no job {job_id!r}", field="job_id")
+        last = args.get("last", 20)
+        skips: list[dict[str, Any]] = []
+        before: int | None = None
+        while len(skips) < last:  # notes share the family: page past them
+            page = host.store.history(key, 256, before=before)
+            skips += [_skip_result(r) for r in page if r.get("t") == "skip"]
+            if len(page) < 256:
+                break
+            before = min(int(r["lo"] if r.get("t") == "skip" else r["at"]) for r in page)
+        return {"skips": skips[:last]}
+
     async def _run_logs(self, conn: Connection, args: dict[str, Any]) -> Any:
         host, key, at, _job_id = self._run_where(args["run_id"])
         page = host.store.logs.read(
@@ -1654,6 +1674,7 @@ _OPS: dict[str, Callable[[Node, Connection, dict[str, Any]], Any]] = {
     "job.preview": Node._preview,
     "run.get": Node._run_get,
     "run.history": Node._run_history,
+    "run.skips": Node._run_skips,
     "run.logs": Node._run_logs,
     "worker.hello": Node._hello,
 }
@@ -1726,6 +1747,20 @@ def _run_result(job_id: str, r: dict[str, Any]) -> dict[str, Any]:
         "exit_code": r["exit"],
         "why": r["why"],
         "version": r["ver"],
+    }
+
+
+def _skip_result(record: dict[str, Any]) -> dict[str, Any]:
+    """A ``skip`` record as ``run.skips`` answers it."""
+    count = int(record.get("n", -1))
+    return {
+        "from_ms": record["lo"],
+        "to_ms": record["hi"],
+        "from": format_utc(record["lo"]),
+        "to": format_utc(record["hi"]),
+        "count": None if count < 0 else count,  # -1: every time in the span, not counted
+        "reason": record.get("why"),
+        "source": record.get("src"),
     }
 
 

@@ -45,6 +45,7 @@ OPS: Final[dict[str, ArgSpec]] = {
     # ---- runs
     "run.get": {"run_id": (_STR, True)},
     "run.history": {"job_id": (_STR, True), "last": (_INT, False)},
+    "run.skips": {"job_id": (_STR, True), "last": (_INT, False)},
     "run.logs": {
         "run_id": (_STR, True),
         "offset": (_INT, False),

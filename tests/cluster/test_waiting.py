@@ -3,6 +3,7 @@ run is not taken (``run.get``'s ``waiting``), and a paused or cancelled job's pr
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -74,5 +75,46 @@ def test_preview_of_a_cancelled_job_is_not_found_and_of_a_paused_one_says_so(
             timeout=60,
         )
         assert shown.returncode == 0 and "paused" in shown.stdout, shown
+    finally:
+        node.terminate()
+
+
+def test_skipped_fire_times_are_shown_with_their_reason(tmp_path: Path) -> None:
+    """Found by the fourth adversarial pass: no operation showed skip records, so a user
+    could not learn why a fire time did not run."""
+    node = NodeProc(tmp_path / "data", tmp_path / "node.log", shards=2)
+    try:
+
+        async def main() -> list[dict[str, Any]]:
+            async with Client.connect("127.0.0.1", node.port) as client:
+                spec = {
+                    "id": "e",
+                    "schedule": {"every": "500ms"},
+                    "catchup": "skip",
+                    "task": {"payload": 1},
+                }
+                await client.create(spec)
+                await client.pause("e")
+                await trio.sleep(1.6)
+                await client.resume("e")
+                with trio.fail_after(20):
+                    while not (skips := await client.skips("e")):
+                        await trio.sleep(0.05)
+                with pytest.raises(RemoteError) as unknown:
+                    await client.skips("nobody")
+                assert unknown.value.code == "not_found"
+                return skips
+
+        skips = trio.run(main)
+        assert skips[0]["reason"] == "paused" and skips[0]["from_ms"] <= skips[0]["to_ms"]
+        shown = subprocess.run(
+            [sys.executable, "-m", "cluster.cli", "skips", "e", "--json"],
+            env={"TICKWHEEL_CONNECT": f"127.0.0.1:{node.port}", "PATH": "/usr/bin:/bin"},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert shown.returncode == 0, shown
+        assert json.loads(shown.stdout)[0]["reason"] == "paused"
     finally:
         node.terminate()
