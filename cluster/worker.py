@@ -49,7 +49,7 @@ import trio
 from cluster.client import Client, ClientError, ConnectionLost, RemoteError
 from cluster.runner import RunHandle, TaskNotRunnable, run_task
 from engine.effects import RunTicket
-from engine.lease import EpochFence, worker_fence_at
+from engine.lease import EpochFence, stop_disposition, worker_fence_at
 from engine.routing import shard_of
 from engine.runs import token_epoch
 from wal.errors import StoreError
@@ -80,20 +80,6 @@ PayloadHandler = Callable[[RunTicket, Callable[[str, bytes], Awaitable[None]]], 
 
 class WorkerError(Exception):
     """The worker cannot serve: no connection to the node within ``connect_timeout_s``."""
-
-
-def stop_disposition(delivery: str) -> str:
-    """What a stopping worker does with a run it will not finish (stopped at the end of the
-    drain, or dispatched while stopping and never started): ``report`` it as ``killed``, or
-    ``hand_back`` (unreported, and a hello without it).
-
-    At-most-once: ``report``. The node can never send it again, and without a report it
-    becomes LOST once the lease and the reattach grace lapse ("outcome unknown") although the
-    worker knows the outcome: a killed run is FAILED, final, with the reason. At-least-once:
-    ``hand_back``. It is owed until it completes, and the node sends it out again at once (a
-    new attempt, no retry used), as for a worker that is gone; a ``killed`` report would make
-    it FAILED with no retry at all."""
-    return "report" if delivery == "at_most_once" else "hand_back"
 
 
 def ticket_of(run: dict[str, Any]) -> RunTicket:

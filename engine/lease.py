@@ -10,6 +10,8 @@ that the simulation exercises the very rules the Trio node will follow:
   coordinator's beyond ``clock_bound_ms`` stops acting and acquires nothing until it agrees.
 * :class:`EpochFence`: the store's and the worker's rule: anything stamped with an epoch older
   than the newest one opened (store) or seen (worker) is refused.
+* :func:`worker_fence_at` and :func:`stop_disposition`: when a worker must stop its tasks, and
+  what a worker stopping gracefully does with a run it will not finish.
 * :func:`shard_of` and :func:`preference`: which shard a job id belongs to, and the order in
   which nodes offer to own a shard (rendezvous hashing), the same on every node.
 
@@ -585,6 +587,20 @@ def worker_fence_at(heartbeat_sent_ms: int, lease_ms: int, margin_ms: int) -> in
     return heartbeat_sent_ms + max(lease_ms - margin_ms, lease_ms // 2)
 
 
+def stop_disposition(delivery: str) -> str:
+    """What a stopping worker does with a run it will not finish (stopped at the end of the
+    drain, or dispatched while stopping and never started): ``report`` it as ``killed``, or
+    ``hand_back`` (unreported, and a hello without it).
+
+    At-most-once: ``report``. The node can never send it again, and without a report it
+    becomes LOST once the lease and the reattach grace lapse ("outcome unknown") although the
+    worker knows the outcome: a killed run is FAILED, final, with the reason. At-least-once:
+    ``hand_back``. It is owed until it completes, and the node sends it out again at once (a
+    new attempt, no retry used), as for a worker that is gone; a ``killed`` report would make
+    it FAILED with no retry at all."""
+    return "report" if delivery == "at_most_once" else "hand_back"
+
+
 __all__ = [
     "FENCE_MUTANTS",
     "LEASE_MUTANTS",
@@ -608,5 +624,6 @@ __all__ = [
     "StopActing",
     "clock_disagreement",
     "preference",
+    "stop_disposition",
     "worker_fence_at",
 ]
