@@ -60,6 +60,14 @@ class RequestTimeout(ClientError):
     code = "timeout"
 
 
+class RequestNotSendable(ClientError):
+    """The request cannot be framed: a value msgpack cannot encode (an int beyond 64 bits, an
+    object), or a frame over the node's limit. Nothing was sent, and sending the same request
+    again fails the same way."""
+
+    code = "not_sendable"
+
+
 class ConnectionLost(ClientError):
     code = "connection_lost"
 
@@ -325,10 +333,10 @@ class Client:
         try:
             frame = encode({"id": request_id, "op": op, "args": args})
         except ProtocolError as exc:
-            raise ClientError(exc.message) from None
+            raise RequestNotSendable(f"{op}: {exc.message}") from None
         if len(frame) - 4 > self.max_frame:
             # The node would answer with an error it cannot pair with this request.
-            raise ClientError(
+            raise RequestNotSendable(
                 f"{op}: request of {len(frame) - 4} bytes; the frame limit is {self.max_frame}"
             )
         return request_id, frame

@@ -46,7 +46,7 @@ from typing import Any
 
 import trio
 
-from cluster.client import Client, ClientError, ConnectionLost, RemoteError
+from cluster.client import Client, ClientError, ConnectionLost, RemoteError, RequestNotSendable
 from cluster.runner import RunHandle, TaskNotRunnable, run_task
 from engine.effects import RunTicket
 from engine.lease import EpochFence, stop_disposition, worker_fence_at
@@ -76,6 +76,33 @@ STOP_POLL_S = 0.05
 DEFAULT_CONNECT_TIMEOUT_S = 3600.0
 
 PayloadHandler = Callable[[RunTicket, Callable[[str, bytes], Awaitable[None]]], Awaitable[int]]
+
+#: the exit codes a payload handler may return: a 32-bit signed int (a process's are 0-255)
+PAYLOAD_EXIT_MIN, PAYLOAD_EXIT_MAX = -(2**31), 2**31 - 1
+
+
+def payload_outcome(result: object) -> tuple[str, int | None, str | None]:
+    """(outcome, exit code, complaint) for what a payload handler returned.
+
+    An ``int`` (not a ``bool``) from ``PAYLOAD_EXIT_MIN`` to ``PAYLOAD_EXIT_MAX`` is the exit
+    code: 0 is ``success``, anything else ``failed``. Anything else (``None`` from a handler
+    that forgot its ``return``, ``True``, ``0.0``, a huge int) fails the run with no exit code
+    and a complaint for its stderr: the run's outcome is still known and reported, never left
+    to become LOST or to run again (found by the fifth adversarial pass: ``True`` and ``0.0``
+    were refused by the node as reports, so the run was dropped unreported and went out again
+    forever; ``2**70`` could not be encoded and ended the agent with every run it held).
+    """
+    if type(result) is int and PAYLOAD_EXIT_MIN <= result <= PAYLOAD_EXIT_MAX:
+        return ("success" if result == 0 else "failed"), result, None
+    shown = repr(result)
+    if len(shown) > 80:
+        shown = shown[:77] + "..."
+    return (
+        "failed",
+        None,
+        f"tickwheel: payload handler returned {shown} ({type(result).__name__}); "
+        "expected an int exit code (0 for success) within 32 bits\n",
+    )
 
 
 class WorkerError(Exception):
@@ -752,8 +779,11 @@ class WorkerAgent:
                     outcome, code = "killed", None
                     with trio.CancelScope() as held.scope:  # a kill or a fence cancels it
                         try:
-                            code = await self.payload_handler(ticket, on_output)
-                            outcome = "success" if code == 0 else "failed"
+                            returned = await self.payload_handler(ticket, on_output)
+                            outcome, code, complaint = payload_outcome(returned)
+                            if complaint is not None:
+                                log.warning("payload handler on %s: %s", rid, complaint.strip())
+                                await on_output("stderr", complaint.encode(errors="replace"))
                         except Exception as exc:
                             # User code's failure is the run's, never the worker's: the agent
                             # and its other runs carry on (a raise that ended the agent made
@@ -865,14 +895,20 @@ class WorkerAgent:
                     batch.append((rid, held))
             if not batch:
                 continue
-            sent = self.client.send_then(
-                "worker.finished_many",
-                {
-                    "reports": [self._report_of(rid, held) for rid, held in batch],
-                    "credits": self._free(),
-                },
-                partial(self._batch_answered, batch),
-            )
+            try:
+                sent = self.client.send_then(
+                    "worker.finished_many",
+                    {
+                        "reports": [self._report_of(rid, held) for rid, held in batch],
+                        "credits": self._free(),
+                    },
+                    partial(self._batch_answered, batch),
+                )
+            except ClientError as exc:
+                # A batch that cannot be framed must not end the agent with every run it
+                # holds: each report goes alone, where a bad one stays the only one hurt.
+                log.warning("worker.finished_many not sent (%s): reporting one by one", exc)
+                sent = False
             if not sent:
                 for rid, held in batch:
                     held.reporting = False
@@ -966,8 +1002,23 @@ class WorkerAgent:
                     self.output_offsets = False
                     args = {k: v for k, v in args.items() if k != "offset"}
                     continue
+                if op == "worker.finished" and exc.code == "bad_args" and "exit_code" in args:
+                    # A final report the node finds malformed must not drop the run unreported
+                    # (it would go out again, or become LOST, though its outcome is known):
+                    # it is reported once more as a plain failure.
+                    if args.get("exit_code") is not None or args.get("outcome") != "failed":
+                        log.warning("%s refused: %s; reported as failed", op, exc)
+                        args = {**args, "outcome": "failed", "exit_code": None}
+                        continue
                 log.warning("%s refused: %s", op, exc)
                 return True  # refused is an answer: the node will not want it again
+            except RequestNotSendable as exc:
+                if op == "worker.finished" and args.get("exit_code") is not None:
+                    log.warning("%s not sendable: %s; reported as failed", op, exc)
+                    args = {**args, "outcome": "failed", "exit_code": None}
+                    continue
+                log.error("%s dropped: %s", op, exc)  # sending it again fails the same way
+                return True
             except ConnectionLost:
                 await trio.sleep(0.2)  # the client reconnects and says hello first
             except ClientError as exc:

@@ -1,0 +1,153 @@
+"""What a payload handler returns becomes its run's known outcome, whatever it is.
+
+Found by the fifth adversarial pass: a handler returning ``True`` or ``0.0`` had its final
+report refused by the node as malformed, so the worker dropped the run unreported and the node
+took it for lost (at-least-once: out again, forever; at-most-once: LOST although the outcome
+was known); one returning ``2**70`` could not be encoded and ended the whole agent.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cluster.client import Client, RequestNotSendable
+from cluster.worker import PAYLOAD_EXIT_MAX, PAYLOAD_EXIT_MIN, WorkerAgent, payload_outcome
+from engine.effects import RunTicket
+from tests.cluster.test_node_inprocess import run_with_node, settle, soon
+
+pytestmark = pytest.mark.timeout(60)
+
+Out = Callable[[str, bytes], Awaitable[None]]
+
+
+@given(st.integers(PAYLOAD_EXIT_MIN, PAYLOAD_EXIT_MAX))
+def test_an_int_within_32_bits_is_the_exit_code(code: int) -> None:
+    outcome, exit_code, complaint = payload_outcome(code)
+    assert (outcome, exit_code, complaint) == ("success" if code == 0 else "failed", code, None)
+
+
+@given(
+    st.one_of(
+        st.none(),
+        st.booleans(),
+        st.floats(allow_nan=True),
+        st.text(),
+        st.integers().filter(lambda n: not PAYLOAD_EXIT_MIN <= n <= PAYLOAD_EXIT_MAX),
+        st.lists(st.integers(), max_size=3),
+    )
+)
+def test_anything_else_fails_the_run_with_a_complaint(result: object) -> None:
+    outcome, exit_code, complaint = payload_outcome(result)
+    assert (outcome, exit_code) == ("failed", None)
+    assert complaint is not None and "expected an int exit code" in complaint
+    assert len(complaint) < 250  # a huge value is shown cut short
+
+
+RETURNS: dict[str, Any] = {
+    "true": True,
+    "float0": 0.0,
+    "float": 1.5,
+    "huge": 2**70,
+    "none": None,
+    "seven": 7,
+    "zero": 0,
+}
+
+
+def test_every_return_value_ends_its_run_in_one_attempt_and_the_agent_carries_on(
+    tmp_path: Path,
+) -> None:
+    calls: Counter[str] = Counter()
+
+    async def handler(ticket: RunTicket, out: Out) -> int:
+        name = ticket.task["payload"]
+        calls[ticket.job_id] += 1
+        result: int = RETURNS[name]  # deliberately the wrong type for most
+        return result
+
+    async def body(client: Client, port: int) -> None:
+        agent = WorkerAgent("127.0.0.1", port, worker_id="w-returns", payload_handler=handler)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(agent.run)
+            for name in RETURNS:
+                for delivery in ("at_least_once", "at_most_once"):
+                    await client.create(
+                        {
+                            "id": f"r-{name}-{delivery}",
+                            "schedule": soon(0.1),
+                            "task": {"payload": name},
+                            "delivery": delivery,
+                        }
+                    )
+            for name, value in RETURNS.items():
+                for delivery in ("at_least_once", "at_most_once"):
+                    job_id = f"r-{name}-{delivery}"
+                    (run,) = await settle(client, job_id)
+                    assert run["attempt"] == 1
+                    if name == "zero":
+                        assert (run["state"], run["exit_code"]) == ("SUCCESS", 0)
+                    elif name == "seven":
+                        assert (run["state"], run["exit_code"]) == ("FAILED", 7)
+                    else:
+                        assert (run["state"], run["exit_code"]) == ("FAILED", None), value
+                        page = await client.logs(run["run_id"])
+                        text = b"".join(c["data"] for c in page["chunks"])
+                        assert b"expected an int exit code" in text
+            # still serving: a later run succeeds on the same agent
+            await client.create({"id": "later", "schedule": soon(0.1), "task": {"payload": "zero"}})
+            (ok,) = await settle(client, "later")
+            assert ok["state"] == "SUCCESS"
+            nursery.cancel_scope.cancel()
+        # each ran once: none was handed out again as lost
+        assert all(n == 1 for n in calls.values()), calls
+
+    run_with_node(tmp_path, body)
+
+
+class _BadReports(WorkerAgent):
+    """An agent whose final reports carry a bad exit code: a refused and an unsendable one
+    (what a report could carry before ``payload_outcome``, or a later bug in the agent)."""
+
+    @staticmethod
+    def _report_of(rid: str, held: Any) -> dict[str, Any]:
+        report = WorkerAgent._report_of(rid, held)
+        kind = held.ticket.task["payload"]
+        report["exit_code"] = {"refused": True, "unsendable": 2**70}.get(kind, 0)
+        return report
+
+
+def test_a_final_report_the_node_refuses_or_that_cannot_be_sent_is_reported_failed(
+    tmp_path: Path,
+) -> None:
+    async def handler(ticket: RunTicket, out: Out) -> int:
+        return 0
+
+    async def body(client: Client, port: int) -> None:
+        agent = _BadReports("127.0.0.1", port, worker_id="w-bad", payload_handler=handler)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(agent.run)
+            for kind in ("refused", "unsendable"):
+                await client.create({"id": kind, "schedule": soon(0.1), "task": {"payload": kind}})
+            for kind in ("refused", "unsendable"):
+                (run,) = await settle(client, kind)
+                assert (run["state"], run["exit_code"], run["attempt"]) == ("FAILED", None, 1)
+            nursery.cancel_scope.cancel()
+
+    run_with_node(tmp_path, body)
+
+
+def test_a_request_that_cannot_be_framed_is_not_sendable(tmp_path: Path) -> None:
+    async def body(client: Client, port: int) -> None:
+        with pytest.raises(RequestNotSendable, match=r"job\.get"):
+            await client.request("job.get", {"job_id": 2**70})
+        await client.request("ping", {})  # the connection lives
+
+    run_with_node(tmp_path, body)
