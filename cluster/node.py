@@ -33,7 +33,7 @@ import math
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -86,10 +86,12 @@ from engine.effects import (
 )
 from engine.errors import EngineError, JobNotFound, RunNotFound
 from engine.jobs import JobSpec, apply_update, new_job_id, validate_job, validate_job_id
+from engine.records import Record
 from engine.routing import shard_of, shard_of_run
 from engine.runs import parse_run_id, run_id
 from engine.schedules import format_utc, preview
 from engine.shard import EngineConfig, ShardEngine
+from engine.snapshot import SnapshotCadence
 from wal.commit import GroupCommitter, Ticket
 from wal.errors import StoreError
 from wal.store import Retention, ShardStore
@@ -122,8 +124,6 @@ CREATE_MANY_CHUNK = 256
 TURN_COMMANDS = 512
 #: runs out with workers whose shard the node remembers (beyond: computed from the run id)
 MAX_REMEMBERED_RUNS = 1_000_000
-#: a shard's log tail (records) after which the shard stores a snapshot
-SNAPSHOT_EVERY_RECORDS = 500_000
 #: the collector's thresholds of a node that owns its process (see Node.run)
 NODE_GC_THRESHOLDS: Final = (10_000, 20, 100)
 
@@ -257,8 +257,11 @@ class ShardHost:
     failed: StoreError | None = None
     stopping: bool = False  # the node stops: no more turns (see Node._close)
     initial: list[Effect] = field(default_factory=list)  # the effects of opening the shard
-    since_snapshot: int = 0
+    since_snapshot: int = 0  # records logged (or replayed at opening) since the snapshot
     snapshot_pending: bool = False
+    snapshots: SnapshotCadence = field(default_factory=SnapshotCadence)  # this shard's cadence
+    last_snapshot_mono: float = field(default_factory=time.monotonic)  # ended (or opened)
+    last_snapshot_cost_s: float = 0.0  # export and write of the last one
     batch_seq: dict[int, int] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ commands in
@@ -404,9 +407,14 @@ class ShardHost:
             # After every turn, the loop's own or an inline one (turn_now): most turns of a
             # node serving lone requests and worker reports are inline.
             if (
-                self.since_snapshot >= SNAPSHOT_EVERY_RECORDS
+                self.since_snapshot >= self.snapshots.min_records
                 and not self.snapshot_pending
                 and self.failed is None
+                and self.snapshots.due(
+                    self.since_snapshot,
+                    (time.monotonic() - self.last_snapshot_mono) * 1_000,
+                    self.last_snapshot_cost_s * 1_000,
+                )
             ):
                 try:
                     self._start_snapshot()
@@ -547,22 +555,34 @@ class ShardHost:
     # ------------------------------------------------------------------ snapshots
 
     def _start_snapshot(self) -> None:
+        started = time.monotonic()
         snap = self.engine.export_snapshot()
         self.snapshot_pending = True
         self.since_snapshot = 0
-        self.start_task(self._write_snapshot, snap)
+        self.start_task(self._write_snapshot, snap, time.monotonic() - started)
 
-    async def _write_snapshot(self, snap: Any) -> None:
+    async def _write_snapshot(self, snap: Any, export_s: float = 0.0) -> None:
         batch = snap.meta["batch"]
         try:
             while batch not in self.batch_seq and self.failed is None:
                 await trio.sleep(0.01)  # the batch it reflects is not durable yet
             if self.failed is None:
                 seq = self.batch_seq[batch]
+                writing = time.monotonic()
                 await trio.to_thread.run_sync(
                     self.store.write_snapshot, seq, snap.arrays, snap.meta
                 )
                 self.batch_seq = {b: s for b, s in self.batch_seq.items() if b > batch}
+                # its cost: the export and the write (the wait for the batch's fsync is not)
+                ended = time.monotonic()
+                self.last_snapshot_cost_s = export_s + (ended - writing)
+                self.last_snapshot_mono = ended
+                log.info(
+                    "shard %d: snapshot at log position %d stored (%.3f s)",
+                    self.index,
+                    seq,
+                    self.last_snapshot_cost_s,
+                )
         except StoreError as exc:
             log.warning("shard %d: snapshot not stored: %s", self.index, exc)
         finally:
@@ -941,8 +961,11 @@ class Node:
         retention: Retention | None = None,
         retain_every_s: float = 60.0,
         freeze_recovered: bool = False,
+        snapshots: SnapshotCadence | None = None,
     ) -> None:
         self.data_dir = Path(data_dir)
+        #: when each shard stores a snapshot (by the replay time of its log tail)
+        self.snapshots = snapshots or SnapshotCadence()
         # gc.freeze() once the shards are recovered (the process-wide choice of a node that
         # owns its process): full collections then skip the recovered state, instead of
         # pausing every shard for tens of ms at a time.
@@ -1071,8 +1094,18 @@ class Node:
         except StoreError as exc:
             raise NodeError(f"shard {index}: {exc}") from exc
         recovered = store.load()
+        replayed = 0
+        replay_started = math.inf  # the tail's first record: after the snapshot's load
+
+        def counted(tail: Iterable[Record]) -> Iterator[Record]:
+            nonlocal replayed, replay_started
+            replay_started = time.monotonic()
+            for replayed, record in enumerate(tail, 1):  # noqa: B007 (counted as it goes)
+                yield record
+
+        opening = time.monotonic()
         engine, effects = ShardEngine.recover(
-            recovered.tail,
+            counted(recovered.tail),
             snapshot=recovered.snapshot,
             directory=store,
             epoch=self.epoch,
@@ -1080,14 +1113,26 @@ class Node:
             mono_ms=mono_ms(),
             config=self.config,
         )
+        opened = time.monotonic()
+        replay_s = max(0.0, opened - replay_started)
         log.info(
-            "shard %d: epoch %d, %d pending jobs, %d runs in flight",
+            "shard %d: epoch %d, %d pending jobs, %d runs in flight, %d log records replayed "
+            "(%.2f s of %.2f s)",
             index,
             self.epoch,
             recovered.counts.pending_jobs,
             recovered.counts.runs_in_flight,
+            replayed,
+            replay_s,
+            opened - opening,
         )
         host = ShardHost(index, self, store, engine, token)
+        # The replayed tail counts towards the next snapshot (else each crash replays it
+        # again, and more), and its cost sets the cadence's estimate (the snapshot's load is
+        # not counted: it is not the tail's, and the rest of the replay's work after the
+        # last record is small).
+        host.since_snapshot = replayed
+        host.snapshots = self.snapshots.measured(replayed, replay_s * 1_000)
         host.committer = GroupCommitter(store, name=f"wal-commit-{index}", on_group=host.on_group)
         host.initial = effects
         return host
