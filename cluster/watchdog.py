@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 __all__ = [
+    "COALESCE_S",
     "HUNT_ROUNDS_S",
     "MAX_LINE",
     "Announce",
@@ -80,6 +81,10 @@ __all__ = [
 MAX_LINE: Final = 16 * 1024
 #: Delays (from end-of-file) of the rounds of the hunt for announced, unregistered tasks.
 HUNT_ROUNDS_S: Final = (0.0, 0.1, 0.5)
+#: After each read the guard sleeps this long, so that a busy worker's lines (three per task)
+#: come in batches: at most ~50 wake-ups a second, whatever the task rate. Nothing waits on
+#: the guard (the pipe buffers), and end-of-file is acted on after at most this delay.
+COALESCE_S: Final = 0.02
 #: Upper bound on each ``<runtime> rm -f NAME`` after end-of-file.
 CONTAINER_RM_S: Final = 10.0
 
@@ -418,6 +423,7 @@ def main() -> int:
                 continue
             start = _start_time(message.pgid) if isinstance(message, Spawned) else None
             watch.apply(message, start=start)
+        time.sleep(COALESCE_S)
     doom = watch.doom()
     if doom:
         _kill(doom, worker)

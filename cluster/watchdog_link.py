@@ -8,9 +8,10 @@ end-of-file. The guard runs in a session of its own, so a signal to the worker's
 (a terminal's Ctrl-C, ``kill -- -PGID``) does not reach it.
 
 Writes are non-blocking and synchronous (one ``write`` of one short line per event, atomic
-below ``PIPE_BUF``): the runner tells the guard about a spawn without a checkpoint. A guard
-that does not read (the pipe full: 64 KiB of unread lines, thousands of events) is taken for
-hung: it is SIGKILLed and replaced. A mirror of the guard's :class:`~cluster.watchdog.Watch`
+below ``PIPE_BUF``): the runner tells the guard about a spawn without a checkpoint. When the
+pipe is full (a guard slow to read: it reads in batches, and a loaded machine may deschedule
+it), lines queue in memory and a flusher task writes them as room appears; a guard that lets
+:data:`MAX_BACKLOG` queue is taken for hung: it is SIGKILLed and replaced. A mirror of the guard's :class:`~cluster.watchdog.Watch`
 is kept here, so a new guard (after one died, was killed, or hung) is told every task still
 running before anything else; until it runs, the tasks are unguarded (logged as an error).
 
@@ -43,6 +44,9 @@ GUARD_ARGV: Final = (sys.executable, "-I", "-S", str(Path(__file__).with_name("w
 RESTART_DELAY_S: Final = 0.5
 RESTART_DELAY_MAX_S: Final = 30.0
 HEALTHY_S: Final = 10.0
+#: Lines queued for a guard that is slow to read (its pipe full) before it is taken for hung
+#: and replaced: about 7,000 tasks' worth.
+MAX_BACKLOG: Final = 1 << 20
 #: How long a clean close waits for the guard to exit before SIGKILLing it.
 CLOSE_WAIT_S: Final = 5.0
 
@@ -63,10 +67,11 @@ class WatchdogLink:
         self.starts = 0
         self._next_key = 0
         self._fd: int | None = None  # the pipe's write end, while a guard runs
-        self._backlog: bytearray | None = None  # lines queued behind a replay
+        self._backlog: bytearray | None = None  # lines waiting for room in the pipe
         self._proc: trio.Process | None = None
         self._closed = False
         self._replaced = trio.Event()  # set: the guard was killed as hung (supervise restarts)
+        self._flush_wake = trio.Event()  # set: there is a backlog to write (_flush)
 
     # ------------------------------------------------------------------ the runner's calls
 
@@ -128,6 +133,7 @@ class WatchdogLink:
 
                     race.start_soon(on_exit)
                     race.start_soon(on_replace)
+                    race.start_soon(self._flush)
                 if self._closed:
                     return
                 if proc.returncode is None:  # killed as hung: reap it before the next
@@ -166,40 +172,56 @@ class WatchdogLink:
         self._proc, self.pid = proc, proc.pid
         self.starts += 1
         log.info("watchdog: guard pid %d watches this worker's tasks", proc.pid)
-        # The replay, then whatever the runner sends meanwhile, in order: lines queue here
-        # until the replay is written (it waits for room only if it is larger than the pipe).
-        backlog = self._backlog = bytearray(b"".join(self.mirror.lines()))
+        # The replay first, then whatever the runner sends meanwhile, in order: written by
+        # the flusher (supervise), which waits for room only if the pipe is full.
+        self._backlog = bytearray(b"".join(self.mirror.lines())) or None
         self._fd = write_end
-        try:
-            while backlog and self._fd == write_end:
-                try:
-                    del backlog[: os.write(write_end, backlog)]
-                except BlockingIOError:
-                    await trio.lowlevel.wait_writable(write_end)
-                except OSError:
-                    self._close_fd()  # the guard is gone already: supervise sees it exit
-        finally:
-            self._backlog = None
+
+    async def _flush(self) -> None:
+        """Write the backlog whenever there is one (a replay, or lines the pipe had no room
+        for), waiting for room in the pipe; then lines go straight to the pipe again."""
+        while True:
+            backlog, fd = self._backlog, self._fd
+            if backlog is None or fd is None:
+                self._flush_wake = trio.Event()
+                await self._flush_wake.wait()
+                continue
+            try:
+                del backlog[: os.write(fd, backlog)]
+            except BlockingIOError:
+                await trio.lowlevel.wait_writable(fd)
+            except OSError:
+                self._close_fd()  # the guard is gone: supervise sees it exit
+            if not backlog and self._backlog is backlog:
+                self._backlog = None
 
     def _send(self, line: bytes) -> None:
         fd = self._fd
         if fd is None:
             return  # no guard now: the mirror has it for the next one
-        if self._backlog is not None:
-            self._backlog += line  # the replay to a new guard is still being written
+        backlog = self._backlog
+        if backlog is not None:  # behind a replay, or the pipe was full: in order
+            backlog += line
+            if len(backlog) > MAX_BACKLOG:
+                self._replace("stopped reading")
             return
         try:
-            os.write(fd, line)
+            os.write(fd, line)  # one line, below PIPE_BUF: all of it or nothing
         except BlockingIOError:
-            log.error("watchdog: the guard (pid %s) stopped reading: replacing it", self.pid)
-            if self._proc is not None:
-                self._proc.kill()  # our own child, by its pid
-            self._close_fd()
-            self._replaced.set()
+            self._backlog = bytearray(line)
+            self._flush_wake.set()
         except OSError:
             self._close_fd()  # it died: supervise starts another and replays
 
+    def _replace(self, why: str) -> None:
+        log.error("watchdog: the guard (pid %s) %s: replacing it", self.pid, why)
+        if self._proc is not None:
+            self._proc.kill()  # our own child, by its pid
+        self._close_fd()
+        self._replaced.set()
+
     def _close_fd(self) -> None:
+        self._backlog = None
         if self._fd is not None:
             fd, self._fd = self._fd, None
             os.close(fd)

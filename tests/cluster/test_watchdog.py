@@ -381,7 +381,7 @@ def test_a_worker_whose_guard_is_killed_starts_another_and_its_tasks_run_on(
         os.kill(first, signal.SIGKILL)
         pids_seen = wait_until(lambda: len(worker.guard_pids()) == 2 and worker.guard_pids())
         second = pids_seen[1]
-        assert "the guard (pid %d) exited" % first in worker.text()
+        assert f"the guard (pid {first}) exited" in worker.text()
         assert worker.alive() and all(_live(g) for g in groups)
         # a task started after the restart is guarded too
         groups += _long_tasks(node.port, pids, "later")
