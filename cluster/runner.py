@@ -26,7 +26,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Final, TypeGuard
+from typing import Final, Protocol, TypeGuard
 
 import trio
 
@@ -36,10 +36,12 @@ __all__ = [
     "CHUNK_BYTES",
     "CONTAINER_RUNTIMES",
     "DRAIN_S",
+    "GUARD_MARKER_VARS",
     "INHERIT_NEVER_PREFIX",
     "OUTCOMES",
     "RUN_VAR_NAMES",
     "SHELL",
+    "Guard",
     "Launch",
     "LaunchRefused",
     "RunHandle",
@@ -52,6 +54,7 @@ __all__ = [
     "container_name",
     "decide_outcome",
     "format_scheduled_at",
+    "guard_marker",
     "parse_proc_stat",
     "pick_runtime",
     "plan_launch",
@@ -543,6 +546,33 @@ async def _group_alive_async(pgid: int) -> bool:
 
 
 # --------------------------------------------------------------------------------------------
+# The worker's watchdog, as the runner sees it
+
+
+class Guard(Protocol):
+    """What :func:`run_task` tells the worker's watchdog (:mod:`cluster.watchdog_link`). Each
+    call returns at once, never raises, never waits."""
+
+    def announce(self, marker: tuple[bytes, ...], container: tuple[str, str] | None) -> int: ...
+
+    def spawned(self, key: int, pgid: int) -> None: ...
+
+    def done(self, key: int) -> None: ...
+
+
+#: The run variables that identify one attempt's processes to the watchdog (by their
+#: environment): the run id and the fencing token, unique per attempt.
+GUARD_MARKER_VARS: Final = ("TICKWHEEL_RUN_ID", "TICKWHEEL_FENCE")
+
+
+def guard_marker(env: Mapping[str, str]) -> tuple[bytes, ...]:
+    """The ``NAME=value`` environment entries (as ``/proc/PID/environ`` holds them) that
+    identify a task's processes: :data:`GUARD_MARKER_VARS`, which :func:`plan_launch` always
+    sets (a task's own ``env`` cannot change them)."""
+    return tuple(f"{name}={env[name]}".encode() for name in GUARD_MARKER_VARS)
+
+
+# --------------------------------------------------------------------------------------------
 # The handle a worker keeps per run
 
 
@@ -612,6 +642,7 @@ async def run_task(
     base_env: Mapping[str, str] | None = None,
     chunk_bytes: int = CHUNK_BYTES,
     drain_s: float = DRAIN_S,
+    guard: Guard | None = None,
 ) -> TaskOutcome:
     """Run the task of ``ticket`` to its end and say how it ended.
 
@@ -637,6 +668,14 @@ async def run_task(
     task and :class:`RunnerUsageError` for bad arguments, both before starting anything. If the
     call is cancelled, or ``on_output`` raises, the group is SIGKILLed at once (no grace), the
     container removed, and the exception propagates.
+
+    ``guard`` (the worker's watchdog, :class:`cluster.watchdog_link.WatchdogLink`) hears of the
+    task before the spawn (:meth:`Guard.announce`, with the run's ``TICKWHEEL_RUN_ID`` and
+    ``TICKWHEEL_FENCE`` as its marker), its group right after (:meth:`Guard.spawned`), and
+    the group's end as soon as the leader is reaped and nothing is left in it
+    (:meth:`Guard.done`): a guard that outlives the worker kills what is still registered.
+    A group whose leader could not be reaped (a cancelled call past its bound) stays
+    registered.
     """
     if not kill_grace_s >= 0:
         raise RunnerUsageError(f"kill_grace_s must be >= 0, got {kill_grace_s!r}")
@@ -657,6 +696,10 @@ async def run_task(
     if isinstance(plan, LaunchRefused):
         await out.notice(plan.message)
         return out.outcome("failed", plan.exit_code, started, reason=plan.message)
+    key = -1
+    if guard is not None:
+        container = None if plan.container is None else (plan.runtime or "", plan.container)
+        key = guard.announce(guard_marker(plan.env), container)
     try:
         proc = await trio.lowlevel.open_process(
             list(plan.argv),
@@ -668,13 +711,34 @@ async def run_task(
             start_new_session=True,
         )
     except OSError as err:
+        if guard is not None:
+            guard.done(key)
         code, message = spawn_failure(err, plan.argv[0], plan.cwd)
         await out.notice(message)
         return out.outcome("failed", code, started, reason=message)
+    except BaseException:
+        if guard is not None:
+            guard.done(key)  # nothing was started (the spawn is not abandoned on cancel)
+        raise
+    if guard is not None:
+        guard.spawned(key, proc.pid)
     handle._mark_started(proc.pid)
-    return await _supervise(
-        proc, plan, ticket, handle, out, started, kill_grace_s, chunk_bytes, drain_s
-    )
+
+    unregistered = guard is None
+
+    def reaped() -> None:
+        nonlocal unregistered
+        if not unregistered and proc.returncode is not None:
+            unregistered = True
+            assert guard is not None
+            guard.done(key)
+
+    try:
+        return await _supervise(
+            proc, plan, ticket, handle, out, started, kill_grace_s, chunk_bytes, drain_s, reaped
+        )
+    finally:
+        reaped()  # the paths that end early (on_output raised, cancelled): if reaped
 
 
 class _Output:
@@ -725,6 +789,7 @@ async def _supervise(
     grace_s: float,
     chunk_bytes: int,
     drain_s: float,
+    reaped: Callable[[], None],
 ) -> TaskOutcome:
     pgid = proc.pid  # start_new_session: the leader's pid is the group's id
     stdout, stderr = proc.stdout, proc.stderr
@@ -761,6 +826,9 @@ async def _supervise(
                 if stop is not None or await _group_alive_async(pgid):
                     sigkill = await _stop_group(proc, pgid, grace_s, handle)
                 returncode = await proc.wait()
+                # The group is over (leader reaped, no member left): the guard forgets it
+                # now, not after the drain, so its id is never held past its reuse.
+                reaped()
                 with trio.move_on_after(drain_s):
                     await readers_done.wait()
                 nursery.cancel_scope.cancel()

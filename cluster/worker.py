@@ -48,6 +48,7 @@ import trio
 
 from cluster.client import Client, ClientError, ConnectionLost, RemoteError, RequestNotSendable
 from cluster.runner import RunHandle, TaskNotRunnable, run_task
+from cluster.watchdog_link import WatchdogLink
 from engine.effects import RunTicket
 from engine.lease import EpochFence, stop_disposition, worker_fence_at
 from engine.routing import shard_of
@@ -212,6 +213,7 @@ class WorkerAgent:
         container_runtime: str | None = None,
         payload_handler: PayloadHandler | None = None,
         connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+        watchdog: bool = True,
     ) -> None:
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
@@ -223,6 +225,9 @@ class WorkerAgent:
         self.container_runtime = container_runtime
         self.payload_handler = payload_handler
         self.connect_timeout_s = connect_timeout_s
+        #: the guard process that kills this worker's tasks if the worker dies
+        #: (:mod:`cluster.watchdog`); started by :meth:`run`, None with ``watchdog=False``
+        self.watchdog: WatchdogLink | None = WatchdogLink() if watchdog else None
         #: serving: the first hello was answered (:meth:`run`)
         self.serving = False
         #: a graceful stop is under way (:meth:`stop`): no new run starts, 0 free slots
@@ -283,12 +288,23 @@ class WorkerAgent:
         logged at each failed attempt; then :class:`WorkerError`. A hello the node refuses
         raises its :class:`RemoteError`."""
         await self._reach_node()
+        try:
+            await self._serve(task_status)
+        finally:
+            if self.watchdog is not None:
+                # After the nursery: every task is reaped (or SIGKILLed and left registered,
+                # which the guard kills again); the guard then exits quietly.
+                await self.watchdog.aclose()
+
+    async def _serve(self, task_status: trio.TaskStatus[None]) -> None:
         async with Client.connect(self.host, self.port, timeout_s=3600) as client:
             self.client = client
             client.on_reconnect = self._hello
             client.on_push = self._on_push  # read inline: no channel, no task per dispatch
             async with trio.open_nursery() as nursery:
                 self.nursery = nursery
+                if self.watchdog is not None:
+                    await nursery.start(self.watchdog.supervise)  # before any task runs
                 await self._hello()
                 nursery.start_soon(self._heartbeats)
                 nursery.start_soon(self._fence_timer)
@@ -804,6 +820,7 @@ class WorkerAgent:
                     handle=held.handle,
                     kill_grace_s=self.kill_grace_s,
                     container_runtime=self.container_runtime,
+                    guard=self.watchdog,
                 )
                 outcome, code = result.outcome, result.exit_code
         except TaskNotRunnable as exc:

@@ -206,6 +206,16 @@ def _task_pids(pid_dir: Path) -> list[int]:
     return [int(p.read_text()) for p in pid_dir.glob("*.pid") if p.read_text().strip()]
 
 
+def _kill_tasks(pid_dir: Path) -> None:
+    """SIGKILL the tasks, as a machine losing power would. The worker's guard
+    (``cluster.watchdog``, in a session of its own) may have killed them already."""
+    for pid in _task_pids(pid_dir):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def test_power_loss_of_node_and_worker_at_least_once_goes_out_again_at_most_once_is_lost(
     tmp_path: Path,
 ) -> None:
@@ -225,8 +235,7 @@ def test_power_loss_of_node_and_worker_at_least_once_goes_out_again_at_most_once
         )
         wait_until(lambda: len(_task_pids(pids)) == 2)
         worker.kill()
-        for pid in _task_pids(pids):  # the tasks die with their machine
-            os.kill(pid, signal.SIGKILL)
+        _kill_tasks(pids)  # the tasks die with their machine
         node.kill()
         node = NodeProc(data, tmp_path / "node2.log")
         worker = WorkerProc(node.port, tmp_path / "worker2.log", slots=2, worker_id="w2")
@@ -251,8 +260,7 @@ def test_a_worker_sigkilled_mid_run(tmp_path: Path, node: NodeProc) -> None:
     )
     wait_until(lambda: len(_task_pids(pids)) == 2)
     first.kill()
-    for pid in _task_pids(pids):
-        os.kill(pid, signal.SIGKILL)
+    _kill_tasks(pids)  # the worker's guard may have done it already
     second = WorkerProc(node.port, tmp_path / "w2.log", slots=2, worker_id="w2")
     try:
         runs = wait_until(lambda: settled(node.port, ["alo", "amo"]), timeout=60)
