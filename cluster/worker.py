@@ -34,6 +34,7 @@ state): it reports what happened, with the run's fencing token, and the node's e
 from __future__ import annotations
 
 import logging
+import math
 import os
 import secrets
 import socket
@@ -76,7 +77,31 @@ STOP_POLL_S = 0.05
 #: how long the first connection is tried before the worker gives up (``connect_timeout_s``)
 DEFAULT_CONNECT_TIMEOUT_S = 3600.0
 
-PayloadHandler = Callable[[RunTicket, Callable[[str, bytes], Awaitable[None]]], Awaitable[int]]
+#: ``async handler(ticket, out) -> exit code``; ``await out(stream, data)`` sends output
+#: (``stream`` "stdout" or "stderr"; ``data`` bytes, or str sent as UTF-8)
+PayloadHandler = Callable[
+    [RunTicket, Callable[[str, bytes | str], Awaitable[None]]], Awaitable[int]
+]
+#: the streams a payload handler may write to
+PAYLOAD_STREAMS: frozenset[str] = frozenset({"stdout", "stderr"})
+
+
+def payload_chunk(stream: object, data: object) -> tuple[str, bytes]:
+    """What a payload handler's ``out(stream, data)`` sends: ``data`` as bytes (a ``str`` is
+    encoded as UTF-8, a bytes-like object copied). Raises ``ValueError`` for another stream
+    and ``TypeError`` for data of another type, in the handler, where the mistake is: the
+    node refuses such a chunk, and before this the agent only logged that, so the output was
+    lost without a word to the handler (found by the fifth adversarial pass)."""
+    if stream not in PAYLOAD_STREAMS:
+        raise ValueError(f"stream must be 'stdout' or 'stderr', got {stream!r}")
+    if isinstance(data, bytes):
+        return stream, data
+    if isinstance(data, str):
+        return stream, data.encode("utf-8", errors="surrogateescape")
+    if isinstance(data, bytearray | memoryview):
+        return stream, bytes(data)
+    raise TypeError(f"output data must be bytes or str, got {type(data).__name__}")
+
 
 #: the exit codes a payload handler may return: a 32-bit signed int (a process's are 0-255)
 PAYLOAD_EXIT_MIN, PAYLOAD_EXIT_MAX = -(2**31), 2**31 - 1
@@ -792,24 +817,43 @@ class WorkerAgent:
                     await on_output("stderr", b"tickwheel: this worker runs no payload tasks\n")
                     outcome, code = "failed", None
                 else:
+
+                    async def handler_output(stream: str, data: bytes | str) -> None:
+                        await on_output(*payload_chunk(stream, data))
+
+                    # The timeout is the worker's to enforce, as for a process (the node acts
+                    # only at timeout + its grace, and only when reachable); "mark" lets the
+                    # handler run on while the node records TIMED_OUT.
+                    timeout_ms = None if ticket.on_timeout == "mark" else ticket.timeout_ms
                     outcome, code = "killed", None
                     with trio.CancelScope() as held.scope:  # a kill or a fence cancels it
-                        try:
-                            returned = await self.payload_handler(ticket, on_output)
-                            outcome, code, complaint = payload_outcome(returned)
-                            if complaint is not None:
-                                log.warning("payload handler on %s: %s", rid, complaint.strip())
-                                await on_output("stderr", complaint.encode(errors="replace"))
-                        except Exception as exc:
-                            # User code's failure is the run's, never the worker's: the agent
-                            # and its other runs carry on (a raise that ended the agent made
-                            # every worker that took the run again die as well).
-                            log.exception("payload handler failed on %s", rid)
+                        with trio.move_on_after(
+                            math.inf if timeout_ms is None else timeout_ms / 1000
+                        ) as timer:
+                            try:
+                                returned = await self.payload_handler(ticket, handler_output)
+                                outcome, code, complaint = payload_outcome(returned)
+                                if complaint is not None:
+                                    log.warning("payload handler on %s: %s", rid, complaint.strip())
+                                    await on_output("stderr", complaint.encode(errors="replace"))
+                            except Exception as exc:
+                                # User code's failure is the run's, never the worker's: the
+                                # agent and its other runs carry on (a raise that ended the
+                                # agent made every worker that took the run again die too).
+                                log.exception("payload handler failed on %s", rid)
+                                line = (
+                                    "tickwheel: payload handler raised "
+                                    f"{type(exc).__name__}: {exc}\n"
+                                )
+                                await on_output("stderr", line.encode(errors="replace"))
+                                outcome, code = "failed", None
+                        if timer.cancel_called:  # even if the handler swallowed the cancel
+                            outcome, code = "timed_out", None
                             line = (
-                                f"tickwheel: payload handler raised {type(exc).__name__}: {exc}\n"
+                                f"tickwheel: stopped (timed out after {timeout_ms} ms): "
+                                "payload handler cancelled\n"
                             )
-                            await on_output("stderr", line.encode(errors="replace"))
-                            outcome, code = "failed", None
+                            await on_output("stderr", line.encode())
                     held.scope = None
             else:
                 # "mark": the node records TIMED_OUT; the task runs on to its own end.

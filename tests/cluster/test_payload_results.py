@@ -19,7 +19,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cluster.client import Client, RequestNotSendable
-from cluster.worker import PAYLOAD_EXIT_MAX, PAYLOAD_EXIT_MIN, WorkerAgent, payload_outcome
+from cluster.worker import (
+    PAYLOAD_EXIT_MAX,
+    PAYLOAD_EXIT_MIN,
+    WorkerAgent,
+    payload_chunk,
+    payload_outcome,
+)
 from engine.effects import RunTicket
 from tests.cluster.test_node_inprocess import run_with_node, settle, soon
 
@@ -149,5 +155,86 @@ def test_a_request_that_cannot_be_framed_is_not_sendable(tmp_path: Path) -> None
         with pytest.raises(RequestNotSendable, match=r"job\.get"):
             await client.request("job.get", {"job_id": 2**70})
         await client.request("ping", {})  # the connection lives
+
+    run_with_node(tmp_path, body)
+
+
+def test_output_is_bytes_or_str_on_stdout_or_stderr() -> None:
+    assert payload_chunk("stdout", b"a") == ("stdout", b"a")
+    assert payload_chunk("stderr", "é\n") == ("stderr", "é\n".encode())
+    assert payload_chunk("stdout", bytearray(b"x")) == ("stdout", b"x")
+    assert payload_chunk("stdout", memoryview(b"y")) == ("stdout", b"y")
+    with pytest.raises(TypeError, match="bytes or str, got int"):
+        payload_chunk("stdout", 5)
+    with pytest.raises(ValueError, match="'stdout' or 'stderr'"):
+        payload_chunk("logs", b"x")
+
+
+def test_a_handler_writes_str_output_and_a_wrong_type_fails_in_the_handler(
+    tmp_path: Path,
+) -> None:
+    async def handler(ticket: RunTicket, out: Any) -> int:
+        await out("stdout", "text, not bytes\n")
+        if ticket.task["payload"] == "bad":
+            await out("stdout", 42)
+        return 0
+
+    async def body(client: Client, port: int) -> None:
+        agent = WorkerAgent("127.0.0.1", port, worker_id="w-out", payload_handler=handler)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(agent.run)
+            for name in ("good", "bad"):
+                await client.create({"id": name, "schedule": soon(0.1), "task": {"payload": name}})
+            (good,) = await settle(client, "good")
+            (bad,) = await settle(client, "bad")
+            nursery.cancel_scope.cancel()
+        assert good["state"] == "SUCCESS"
+        page = await client.logs(good["run_id"])
+        assert b"".join(c["data"] for c in page["chunks"]) == b"text, not bytes\n"
+        assert bad["state"] == "FAILED"
+        page = await client.logs(bad["run_id"])
+        text = b"".join(c["data"] for c in page["chunks"])
+        assert b"text, not bytes\n" in text and b"TypeError: output data must be bytes" in text
+
+    run_with_node(tmp_path, body)
+
+
+def test_the_worker_enforces_a_payload_jobs_timeout(tmp_path: Path) -> None:
+    """The handler is cancelled at the job's timeout and the run reported TIMED_OUT by the
+    worker, as a process is stopped (before, only the node acted, at timeout + its grace);
+    with ``on_timeout: mark`` the handler runs on to its end."""
+    finished: list[str] = []
+
+    async def handler(ticket: RunTicket, out: Out) -> int:
+        await trio.sleep(1.5 if ticket.job_id == "marked" else 30)
+        finished.append(ticket.job_id)
+        return 0
+
+    async def body(client: Client, port: int) -> None:
+        agent = WorkerAgent("127.0.0.1", port, worker_id="w-timeout", payload_handler=handler)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(agent.run)
+            await client.create(
+                {"id": "hangs", "schedule": soon(0.1), "task": {"payload": 1}, "timeout": "1s"}
+            )
+            await client.create(
+                {
+                    "id": "marked",
+                    "schedule": soon(0.1),
+                    "task": {"payload": 1},
+                    "timeout": "1s",
+                    "on_timeout": "mark",
+                }
+            )
+            (hung,) = await settle(client, "hangs")
+            assert hung["state"] == "TIMED_OUT"
+            page = await client.logs(hung["run_id"])
+            text = b"".join(c["data"] for c in page["chunks"])
+            assert b"timed out after 1000 ms): payload handler cancelled" in text
+            with trio.fail_after(20):
+                while "marked" not in finished:
+                    await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()
+        assert finished == ["marked"]
 
     run_with_node(tmp_path, body)
