@@ -276,6 +276,9 @@ class WorkerAgent:
         self.epoch_fence = EpochFence()
         self.fenced = 0  # times this worker fenced itself (tasks killed, hello again)
         self._fence_wake: trio.Event | None = None  # wakes the fence timer (_fence_timer)
+        #: (client connection generation, sent ms) of the hello that opened the connection,
+        #: until it is answered (:meth:`_on_push`)
+        self._opening_hello: tuple[int, int] | None = None
         self._fence_due = True  # the fence deadline has passed: a new task wakes the timer
         self._greeting = False  # a hello again (_greet_again) is under way
         self._greet_after = False  # and another was asked for meanwhile: one more follows
@@ -324,13 +327,13 @@ class WorkerAgent:
     async def _serve(self, task_status: trio.TaskStatus[None]) -> None:
         async with Client.connect(self.host, self.port, timeout_s=3600) as client:
             self.client = client
-            client.on_reconnect = self._hello
+            client.on_reconnect = partial(self._hello, opens=True)
             client.on_push = self._on_push  # read inline: no channel, no task per dispatch
             async with trio.open_nursery() as nursery:
                 self.nursery = nursery
                 if self.watchdog is not None:
                     await nursery.start(self.watchdog.supervise)  # before any task runs
-                await self._hello()
+                await self._hello(opens=True)
                 nursery.start_soon(self._heartbeats)
                 nursery.start_soon(self._fence_timer)
                 nursery.start_soon(self._reporter)
@@ -504,8 +507,12 @@ class WorkerAgent:
             return True
         return False
 
-    async def _hello(self) -> None:
+    async def _hello(self, *, opens: bool = False) -> None:
+        """Say hello (``opens``: as the first request on a new connection) and take the
+        answer: lease, shard count, the fence deadline's acknowledgement."""
         sent = _mono_ms()
+        if opens:
+            self._opening_hello = (self.client.generation, sent)
         slots = self._free()
         while True:
             args = {
@@ -521,6 +528,7 @@ class WorkerAgent:
             except RemoteError as exc:
                 if not self._old_node(exc):
                     raise
+        self._opening_hello = None
         if self._free() != slots:
             # Slots freed (or taken) while the hello was out (the tasks a fence killed end a
             # moment after it; a resent frame can land after a newer hello): the node hears
@@ -713,6 +721,17 @@ class WorkerAgent:
 
     def _on_push(self, message: dict[str, Any]) -> None:
         """A push from the node, in the order they came (called by the client's reader)."""
+        opening = self._opening_hello
+        if opening is not None and opening[0] == self.client.generation:
+            # A push on a connection opened by a hello was made after the node took that
+            # hello (only a hello binds a worker to a connection), so the node's lease for
+            # this worker runs from no earlier than when it left: an acknowledgement, which
+            # the hello's own answer may follow (it waits for a durable batch; dispatches
+            # do not). Without it, after an outage longer than the lease, the stale fence
+            # deadline killed the runs the node had just handed out (the fifth adversarial
+            # pass: at-most-once ones became LOST, at-least-once ones ran again).
+            self._opening_hello = None
+            self._acked(opening[1])
         kind = message.get("push")
         if kind == "dispatch":
             shard, seq = message.get("shard"), message.get("seq", 0)
