@@ -582,6 +582,13 @@ class LogPrinter:
     dropped there) or at the end of the output, and invalid sequences. With ``as_json`` one
     JSON object per chunk, its ``data`` the text decoded the same way (so the ``data`` of a
     stream's chunks, joined, is its text).
+
+    Attempts: as text, a line ``--- attempt N ---`` goes to stdout before the output of every
+    attempt but a first one numbered 1 (so the log of a run that ran once is its output
+    alone, and a log whose first attempt shown is not 1 says so). It goes to stdout, as the
+    ``cut`` marker does, so that a log saved with ``> FILE`` keeps it, and on a terminal it
+    sits where the attempts meet (the streams are printed in the node's order, each write
+    flushed). With ``as_json`` nothing is added: every chunk carries its ``attempt``.
     """
 
     def __init__(self, *, as_json: bool) -> None:
@@ -591,6 +598,7 @@ class LogPrinter:
             for stream in ("stdout", "stderr")
         }
         self.attempt: int | None = None
+        self._stdout_line_open = False  # the last text on stdout did not end a line
 
     def _flush(self) -> None:
         """End every stream's text here: what a decoder holds is an incomplete character (in
@@ -602,17 +610,23 @@ class LogPrinter:
             elif rest:
                 self._write(stream, rest)
 
-    @staticmethod
-    def _write(stream: str, text: str) -> None:
+    def _write(self, stream: str, text: str) -> None:
         target = sys.stdout if stream == "stdout" else sys.stderr
         target.write(text)
         target.flush()
+        if stream == "stdout" and text:
+            self._stdout_line_open = not text.endswith("\n")
 
     def chunk(self, chunk: dict[str, Any]) -> None:
         """Print one chunk of a ``run.logs`` page."""
         if chunk.get("attempt") != self.attempt:
             self._flush()  # a new attempt's output never completes the last one's text
+            first = self.attempt is None
             self.attempt = chunk.get("attempt")
+            if not self.as_json and not (first and self.attempt == 1):
+                # Found by the fifth adversarial pass: a retried run's attempts ran together.
+                lead = "\n" if self._stdout_line_open else ""
+                self._write("stdout", f"{lead}--- attempt {self.attempt} ---\n")
         if chunk["stream"] == "cut":
             self._flush()
             if self.as_json:
