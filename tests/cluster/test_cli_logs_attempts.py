@@ -75,7 +75,9 @@ def test_logs_of_a_retried_run_mark_where_each_attempt_begins(tmp_path: Path) ->
             assert done.stdout == "connecting\nno newline\n--- attempt 2 ---\nconnected\n"
             assert done.stderr == "refused\n"
         # --json is unchanged: each chunk has its attempt, and no marker is added
-        lines = [json.loads(line) for line in cli(node, "logs", run_id, "--json").stdout.splitlines()]
+        lines = [
+            json.loads(line) for line in cli(node, "logs", run_id, "--json").stdout.splitlines()
+        ]
         assert [(c["stream"], c["attempt"]) for c in lines] == [
             ("stdout", 1),
             ("stderr", 1),
