@@ -13,7 +13,8 @@ Usage::
 
 Failure modes: :class:`RemoteError` (the node refused: ``code``, ``message``, ``field``),
 :class:`RequestTimeout`, :class:`ConnectionLost` (the connection broke and ``reconnect`` is
-off, or a reconnect did not succeed within the request's time).
+off: at once, for the requests in flight and for every later one; or a reconnect did not
+succeed within the request's time).
 """
 
 from __future__ import annotations
@@ -136,6 +137,11 @@ class Client:
         self._connected = trio.Event()
         self._nursery: trio.Nursery | None = None
         self._closed = False
+        #: why there is no connection and will be none (``reconnect`` off, or closed): a
+        #: request then fails at once with :class:`ConnectionLost` instead of waiting for a
+        #: connection that no one will make (found by the fifth adversarial pass: it waited
+        #: out its whole timeout and raised RequestTimeout)
+        self._gone: str | None = None
         self.pushes_send, self.pushes = trio.open_memory_channel[Message](math.inf)
         #: when set, pushes are handed to it by the reader, in order, instead of :attr:`pushes`
         #: (no channel, no task: a worker's dispatches cost less)
@@ -180,8 +186,10 @@ class Client:
             raise
 
     async def aclose(self) -> None:
-        """Close the connection; requests still waiting fail with :class:`ConnectionLost`."""
+        """Close the connection; requests still waiting, and any made later, fail with
+        :class:`ConnectionLost`."""
         self._closed = True
+        self._gone = self._gone or "client closed"
         if self._stream is not None:
             with trio.move_on_after(1) as scope:
                 scope.shield = True
@@ -246,11 +254,17 @@ class Client:
         if self._stream is stream:
             self._stream = None
             self._outbox = None
-            self._connected = trio.Event()
-            self._fail_waiting(ConnectionLost(f"connection to {self.host}:{self.port} lost"))
+            lost = f"connection to {self.host}:{self.port} lost"
             if self.reconnect and not self._closed:
+                self._connected = trio.Event()  # requests wait for the reconnect
+                self._fail_waiting(ConnectionLost(lost))
                 assert self._nursery is not None
                 self._nursery.start_soon(self._reconnect)
+            else:
+                # No connection will come: ``_connected`` stays set, so that a request finds
+                # no outbox and fails at once (and notify/send_then send nothing).
+                self._gone = lost + ("" if self._closed else " (reconnect is off)")
+                self._fail_waiting(ConnectionLost(self._gone))
 
     async def _writer(
         self, stream: trio.SocketStream, outbox: Outbox, writing: trio.CancelScope
@@ -390,7 +404,7 @@ class Client:
             await self._connected.wait()
         outbox = self._outbox
         if outbox is None:
-            raise ConnectionLost("not connected")
+            raise ConnectionLost(self._gone or "not connected")
         request_id, frame = self._frame(op, args)
         if sent_on is not None:
             sent_on.append(self.generation)  # (no wait since outbox was read: its connection)
@@ -542,18 +556,31 @@ class Client:
         self, run_id: str, *, poll_s: float = 0.2
     ) -> AsyncIterator[dict[str, Any]]:
         """Every chunk of a run's output as it arrives, until the run is final and all its
-        output has been read. A run final as TIMED_OUT under ``on_timeout=mark`` whose task
-        still runs is followed until its task ends (the page's ``marked_running``; a node
-        before that field, or one restarted meanwhile, does not know: then it ends at the
-        timeout, as before). Raises :class:`RemoteError` ``not_found`` for a run that does
-        not exist (or stops existing: retention), whatever the node's version: a page with no
-        state (a node before ``run.logs`` refused such runs itself) is checked with
-        ``run.get``, so that a follower never waits for a run that will never end."""
-        offset = 0
-        while True:
-            page = await self.logs(run_id, offset=offset)
+        output has been read (:meth:`follow_pages`, chunk by chunk)."""
+        async for page in self.follow_pages(run_id, poll_s=poll_s):
             for chunk in page["chunks"]:
                 yield chunk
+
+    async def follow_pages(
+        self, run_id: str, *, offset: int = 0, poll_s: float = 0.2
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Every page of a run's output from ``offset`` (a page's ``cursor``; 0: the start)
+        as it arrives, until the run is final and all its output has been read. Each page is
+        a ``run.logs`` result; a page's ``cursor`` is where the next one starts, so a follower
+        whose connection broke resumes exactly with ``follow_pages(run_id,
+        offset=last_page["cursor"])`` on a new connection: no chunk twice, none skipped (a
+        page is one request: it was either received whole or not at all).
+
+        A run final as TIMED_OUT under ``on_timeout=mark`` whose task still runs is followed
+        until its task ends (the page's ``marked_running``; a node before that field, or one
+        restarted meanwhile, does not know: then it ends at the timeout, as before). Raises :class:`RemoteError` ``not_found`` for a run that does
+        not exist (or stops existing: retention), whatever the node's version: a page with no
+        state (a node before ``run.logs`` refused such runs itself) is checked with
+        ``run.get``, so that a follower never waits for a run that will never end. Raises
+        :class:`ConnectionLost` when the connection breaks (``reconnect`` off)."""
+        while True:
+            page = await self.logs(run_id, offset=offset)
+            yield page
             offset = page["cursor"]
             if page["at_end"]:
                 state = page["state"]

@@ -23,7 +23,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from cluster.client import Client, ClientError, RemoteError, parse_address
+from cluster.client import Client, ClientError, ConnectionLost, RemoteError, parse_address
 
 # Wide when piped, so that run ids are never cut in a log or a demo transcript.
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
@@ -386,37 +386,164 @@ def refuse_ended(path: str, numbered: list[tuple[int, dict[str, Any]]], now_ms: 
             )
 
 
+#: ``submit --file``: specs per ``job.create_many`` request, requests in flight at once (enough
+#: to keep the node's shards busy; more only queue on the node and make each reply late),
+#: tries per batch, and how long one batch's reply may take
+SUBMIT_BATCH = 1000
+SUBMIT_IN_FLIGHT = 4
+SUBMIT_TRIES = 4
+SUBMIT_BATCH_TIMEOUT_S = 30.0
+#: files from this many specs show a progress bar (on a terminal only)
+SUBMIT_PROGRESS_FROM = 5000
+
+
+class SubmitLine:
+    """What became of one spec of a ``submit --file``: ``job_id`` (always known: an id the
+    file did not give is made before anything is sent), and ``error`` (None: created) with
+    ``unconfirmed`` true when its batch never got a reply (the job may or may not exist)."""
+
+    __slots__ = ("error", "generated", "job_id", "number", "spec", "unconfirmed")
+
+    def __init__(self, number: int, spec: dict[str, Any], job_id: str, generated: bool) -> None:
+        self.number, self.spec, self.job_id, self.generated = number, spec, job_id, generated
+        self.error: str | None = None
+        self.unconfirmed = False
+
+
+async def submit_lines(
+    client: Client,
+    numbered: list[tuple[int, dict[str, Any]]],
+    *,
+    batch: int = SUBMIT_BATCH,
+    in_flight: int = SUBMIT_IN_FLIGHT,
+    tries: int = SUBMIT_TRIES,
+    timeout_s: float = SUBMIT_BATCH_TIMEOUT_S,
+    on_batch: Callable[[int], None] | None = None,
+) -> list[SubmitLine]:
+    """Create the jobs of ``numbered`` (line number, spec) with ``job.create_many``, and say
+    per line what became of it.
+
+    Guarantees: at most ``in_flight`` batches wait for a reply at once (found by the user:
+    50,000 specs all in flight made the late batches miss the CLI's 10 s). Every spec has its
+    id before anything is sent (one generated here when the line has none), so a batch whose
+    reply timed out or whose connection broke is sent again, up to ``tries`` times, with the
+    same ids: it can never create a job twice. On such a repeat, ``exists`` means the earlier
+    attempt may have created the job: for an id made here (random, nobody else has it) it did;
+    for an id the file gave, it counts as created only when the stored job is the spec sent
+    (:func:`cluster.client.same_spec`, as :meth:`Client.create` decides) and no earlier line
+    of the file has that id; otherwise it stays the ``exists`` error. A batch that never got
+    a reply leaves its lines ``unconfirmed``. ``on_batch`` gets each batch's size when it is
+    done. Raises nothing of the client's but what a ``job.get`` check cannot handle."""
+    from cluster.client import RequestTimeout, same_spec
+    from engine.jobs import new_job_id
+
+    now = _now_ms()
+    lines: list[SubmitLine] = []
+    first_line_of: dict[str, int] = {}
+    for number, spec in numbered:
+        given = spec.get("id")
+        if isinstance(given, str):
+            lines.append(SubmitLine(number, spec, given, False))
+        else:
+            job_id = given if given is not None else new_job_id(now, os.urandom(10))
+            lines.append(SubmitLine(number, {**spec, "id": job_id}, str(job_id), given is None))
+        first_line_of.setdefault(lines[-1].job_id, number)
+
+    async def created_before(line: SubmitLine) -> bool:
+        if line.generated:
+            return True
+        if first_line_of.get(line.job_id) != line.number:
+            return False  # a repeated id: the file's earlier line is the one that created it
+        try:
+            stored = (await client.get(line.job_id)).get("spec")
+        except ClientError:
+            return False
+        return isinstance(stored, dict) and same_spec(line.spec, stored)
+
+    async def send(part: list[SubmitLine]) -> None:
+        specs = [line.spec for line in part]
+        maybe_sent = False
+        failure = ""
+        for _try in range(tries):
+            sent_on: list[int] = []
+            try:
+                reply = await client.request(
+                    "job.create_many", {"specs": specs}, timeout_s=timeout_s, sent_on=sent_on
+                )
+            except (RequestTimeout, ConnectionLost) as exc:
+                maybe_sent = maybe_sent or bool(sent_on)
+                failure = f"{exc.code}: {exc}"
+                continue
+            maybe_sent = maybe_sent or len(sent_on) > 1
+            for line, result in zip(part, reply["results"], strict=True):
+                if result.get("ok"):
+                    continue
+                error = result.get("error") or {}
+                if error.get("code") == "exists" and maybe_sent and await created_before(line):
+                    continue  # our own earlier attempt's job, whose reply was lost
+                line.error = f"{error.get('code')}: {error.get('message')}"
+            break
+        else:
+            for line in part:
+                line.error, line.unconfirmed = failure, True
+        if on_batch is not None:
+            on_batch(len(part))
+
+    parts = [lines[i : i + batch] for i in range(0, len(lines), batch)]
+    limiter = trio.Semaphore(max(1, in_flight))
+
+    async def send_then_release(part: list[SubmitLine]) -> None:
+        try:
+            await send(part)
+        finally:
+            limiter.release()
+
+    async with trio.open_nursery() as nursery:
+        for part in parts:
+            await limiter.acquire()  # in file order, at most in_flight at once
+            nursery.start_soon(send_then_release, part)
+    return lines
+
+
 async def _submit_file(client: Client, args: argparse.Namespace) -> int:
     numbered = read_spec_file(args.file)
     refuse_ended(args.file, numbered, _now_ms())
-    specs = [spec for _number, spec in numbered]
-    ids: list[str | None] = []
-    failed = 0
-    batch = 1000
-    results: list[dict[str, Any]] = []
+    # A broken connection is made again and the batches in flight sent again with the same
+    # ids (submit_lines): for this command a reconnect is safe, and better than leaving the
+    # user not knowing which of the jobs exist.
+    client.reconnect = True
+    progress = None
+    if len(numbered) >= SUBMIT_PROGRESS_FROM and err_console.is_terminal:
+        from rich.progress import Progress
 
-    async def send(chunk: list[dict[str, Any]], into: list[list[dict[str, Any]]], i: int) -> None:
-        into[i] = await client.create_many(chunk)
-
-    chunks = [specs[i : i + batch] for i in range(0, len(specs), batch)]
-    out: list[list[dict[str, Any]]] = [[] for _ in chunks]
-    async with trio.open_nursery() as nursery:  # pipelined: every batch in flight at once
-        for i, chunk in enumerate(chunks):
-            nursery.start_soon(send, chunk, out, i)
-    for chunk_results in out:
-        results.extend(chunk_results)
-    for (number, _spec), r in zip(numbered, results, strict=True):
-        if r.get("ok"):
-            ids.append(r["result"]["job_id"])
-        else:
-            failed += 1
-            ids.append(None)
-            e = r.get("error", {})
-            err_console.print(
-                escape(f"{args.file}:{number}: {e.get('code')}: {e.get('message')}"),
-                highlight=False,
+        progress = Progress(console=err_console, transient=True)
+    if progress is not None:
+        with progress:
+            task = progress.add_task(f"submitting {args.file}", total=len(numbered))
+            lines = await submit_lines(
+                client, numbered, on_batch=lambda n: progress.advance(task, n)
             )
-    emit(args, ids, lambda v: console.print(f"{len(v) - failed} jobs created, {failed} refused"))
+    else:
+        lines = await submit_lines(client, numbered)
+    failed = unconfirmed = 0
+    for line in lines:
+        if line.error is None:
+            continue
+        failed += 1
+        if line.unconfirmed:
+            unconfirmed += 1
+            message = (
+                f"{args.file}:{line.number}: no answer ({line.error}): job {line.job_id} may or "
+                "may not exist (check with job get)"
+            )
+        else:
+            message = f"{args.file}:{line.number}: {line.error}"
+        err_console.print(escape(message), highlight=False)
+    ids = [line.job_id if line.error is None else None for line in lines]
+    summary = f"{len(lines) - failed} jobs created, {failed - unconfirmed} refused"
+    if unconfirmed:
+        summary += f", {unconfirmed} unconfirmed"
+    emit(args, ids, lambda _v: console.print(summary))
     return 1 if failed else 0
 
 
@@ -554,11 +681,16 @@ async def cmd_run(client: Client, args: argparse.Namespace) -> int:
     return 0
 
 
+#: How long ``logs --follow`` tries to connect again after its connection broke (a node
+#: restart: the run carries on, its worker reconnects). A node restarting after a crash
+#: replays its log tail before it listens, which can take several times the CLI's 10 s.
+FOLLOW_RECONNECT_S = 30.0
+
+
 async def cmd_logs(client: Client, args: argparse.Namespace) -> int:
     printer = LogPrinter(as_json=args.json)
     if args.follow:
-        async for chunk in client.follow_logs(args.run_id):
-            printer.chunk(chunk)
+        await follow_resuming(client, args.run_id, printer.chunk)
         printer.close()
         return 0
     offset = 0
@@ -572,6 +704,55 @@ async def cmd_logs(client: Client, args: argparse.Namespace) -> int:
             return 0
 
 
+async def follow_resuming(
+    client: Client,
+    run_id: str,
+    on_chunk: Callable[[dict[str, Any]], None],
+    *,
+    reconnect_s: float = FOLLOW_RECONNECT_S,
+    poll_s: float = 0.2,
+) -> None:
+    """Follow ``run_id``'s output to its end (:meth:`Client.follow_pages`), handing each chunk
+    to ``on_chunk``, and ride out a broken connection: a note on stderr, a new connection to
+    the same address (tried for up to ``reconnect_s``), and the follow goes on from the
+    cursor of the last page received whole, so that no chunk is handed over twice and none is
+    skipped (found by the fifth adversarial pass: a node restart ended the follow with "no
+    reply within 10 s", although the run carried on). Raises :class:`ConnectionLost` when no
+    connection could be made in time, and what :meth:`Client.follow_pages` raises otherwise.
+    """
+    from contextlib import AsyncExitStack
+
+    cursor = 0
+    current = client
+    async with AsyncExitStack() as connections:
+        while True:
+            try:
+                async for page in current.follow_pages(run_id, offset=cursor, poll_s=poll_s):
+                    for chunk in page["chunks"]:
+                        on_chunk(chunk)
+                    cursor = page["cursor"]
+                return
+            except ConnectionLost as exc:
+                where = f"{client.host}:{client.port}"
+                err_console.print(
+                    f"note: {escape(str(exc))}; connecting again to {escape(where)} "
+                    f"(for up to {reconnect_s:g} s) to follow on"
+                )
+                try:
+                    current = await connections.enter_async_context(
+                        Client.connect(
+                            client.host, client.port, timeout_s=reconnect_s, reconnect=False
+                        )
+                    )
+                except ConnectionLost:
+                    raise ConnectionLost(
+                        f"logs --follow {run_id}: the connection to {where} broke and could "
+                        f"not be made again within {reconnect_s:g} s"
+                    ) from None
+                current.timeout_s = client.timeout_s  # its requests: the CLI's own timeout
+                err_console.print("note: connected again; following on")
+
+
 class LogPrinter:
     """Prints a run's output chunks: stdout's to stdout, stderr's to stderr, as text.
 
@@ -582,6 +763,13 @@ class LogPrinter:
     dropped there) or at the end of the output, and invalid sequences. With ``as_json`` one
     JSON object per chunk, its ``data`` the text decoded the same way (so the ``data`` of a
     stream's chunks, joined, is its text).
+
+    Attempts: as text, a line ``--- attempt N ---`` goes to stdout before the output of every
+    attempt but a first one numbered 1 (so the log of a run that ran once is its output
+    alone, and a log whose first attempt shown is not 1 says so). It goes to stdout, as the
+    ``cut`` marker does, so that a log saved with ``> FILE`` keeps it, and on a terminal it
+    sits where the attempts meet (the streams are printed in the node's order, each write
+    flushed). With ``as_json`` nothing is added: every chunk carries its ``attempt``.
     """
 
     def __init__(self, *, as_json: bool) -> None:
@@ -591,6 +779,7 @@ class LogPrinter:
             for stream in ("stdout", "stderr")
         }
         self.attempt: int | None = None
+        self._stdout_line_open = False  # the last text on stdout did not end a line
 
     def _flush(self) -> None:
         """End every stream's text here: what a decoder holds is an incomplete character (in
@@ -602,17 +791,23 @@ class LogPrinter:
             elif rest:
                 self._write(stream, rest)
 
-    @staticmethod
-    def _write(stream: str, text: str) -> None:
+    def _write(self, stream: str, text: str) -> None:
         target = sys.stdout if stream == "stdout" else sys.stderr
         target.write(text)
         target.flush()
+        if stream == "stdout" and text:
+            self._stdout_line_open = not text.endswith("\n")
 
     def chunk(self, chunk: dict[str, Any]) -> None:
         """Print one chunk of a ``run.logs`` page."""
         if chunk.get("attempt") != self.attempt:
             self._flush()  # a new attempt's output never completes the last one's text
+            first = self.attempt is None
             self.attempt = chunk.get("attempt")
+            if not self.as_json and not (first and self.attempt == 1):
+                # Found by the fifth adversarial pass: a retried run's attempts ran together.
+                lead = "\n" if self._stdout_line_open else ""
+                self._write("stdout", f"{lead}--- attempt {self.attempt} ---\n")
         if chunk["stream"] == "cut":
             self._flush()
             if self.as_json:

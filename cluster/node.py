@@ -1460,7 +1460,16 @@ class Node:
         if key is None:
             raise JobNotFound(f"no job {job_id!r}", field="job_id")
         runs = host.store.last_runs(key, args.get("last", 20))
-        return {"runs": [_run_result(job_id, r) for r in runs]}
+        results = [_run_result(job_id, r) for r in runs]
+        for result in results:
+            # As run.get: a PENDING run that is due says why no worker took it (found by the
+            # fifth adversarial pass: `tickwheel runs` never showed it). Only PENDING records
+            # are asked, so a long history costs one dict lookup per pending run.
+            if result["state"] == "PENDING":
+                waiting = host.engine.waiting_reason(result["run_id"])
+                if waiting is not None:
+                    result["waiting"] = waiting
+        return {"runs": results}
 
     async def _run_skips(self, conn: Connection, args: dict[str, Any]) -> Any:
         """Fire times a job owed and did not run, with the reason (DESIGN's SKIPPED): the

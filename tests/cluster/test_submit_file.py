@@ -1,0 +1,203 @@
+"""``tickwheel submit --file`` with many specs: a bounded number of batches in flight, ids made
+before sending, and a batch whose reply was lost sent again without creating any job twice.
+Against a real node process on 127.0.0.1 (once through a TCP proxy that drops the connection
+mid-file), and the retry accounting against a fake client whose replies go missing."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from cluster.client import Client, RequestTimeout
+from cluster.commands import submit_lines
+from tests.cluster.procs import NodeProc
+
+pytestmark = pytest.mark.timeout(180)
+
+FAR = {"at": "2099-01-01T00:00:00Z"}
+
+
+def write_specs(path: Path, count: int, *, given_every: int = 0) -> None:
+    """``count`` one-shot specs far ahead, one per line; every ``given_every``-th has its own
+    id."""
+    with open(path, "w") as f:
+        for i in range(count):
+            spec: dict[str, Any] = {"schedule": FAR, "task": {"shell": f"echo {i}"}}
+            if given_every and i % given_every == 0:
+                spec["id"] = f"given-{i}"
+            f.write(json.dumps(spec) + "\n")
+
+
+async def all_job_ids(port: int) -> list[str]:
+    async with Client.connect("127.0.0.1", port, timeout_s=30) as client:
+        return [job["job_id"] async for job in client.list_jobs(page=5000)]
+
+
+async def submit(port: int, path: Path) -> tuple[int, list[str | None], str]:
+    done = await trio.run_process(
+        [sys.executable, "-m", "cluster.cli", "submit", "--file", str(path), "--json"],
+        env={"TICKWHEEL_CONNECT": f"127.0.0.1:{port}", "PATH": "/usr/bin:/bin"},
+        capture_stdout=True,
+        capture_stderr=True,
+        check=False,
+    )
+    out = done.stdout.decode()
+    return done.returncode, json.loads(out) if out else [], done.stderr.decode()
+
+
+def test_a_file_of_20000_specs_is_created_whole(tmp_path: Path) -> None:
+    """Found by the user: 50,000 specs, every batch in flight at once, failed with
+    ``job.create_many: no reply within 10 s`` on a loaded machine."""
+    node = NodeProc(tmp_path / "data", tmp_path / "node.log")
+    try:
+        path = tmp_path / "specs.jsonl"
+        write_specs(path, 20_000, given_every=1000)
+
+        async def main() -> None:
+            status, ids, err = await submit(node.port, path)
+            assert status == 0, err
+            assert len(ids) == 20_000 and None not in ids and len(set(ids)) == 20_000
+            assert ids[1000] == "given-1000"
+            assert sorted(await all_job_ids(node.port)) == sorted(ids)  # type: ignore[type-var]
+
+        trio.run(main)
+    finally:
+        node.terminate()
+
+
+async def dropping_proxy(
+    target_port: int, drop_after: int, task_status: trio.TaskStatus[int]
+) -> None:
+    """Forward TCP to ``target_port``. The first connection is cut (both ways) once
+    ``drop_after`` bytes from the client have reached the node, before the node's replies to
+    them get back: the requests were received, their replies are lost."""
+    connections = 0
+
+    async def handle(client: trio.SocketStream) -> None:
+        nonlocal connections
+        connections += 1
+        dropping = connections == 1
+        server = await trio.open_tcp_stream("127.0.0.1", target_port)
+        async with client, server, trio.open_nursery() as nursery:
+            forwarded = 0
+
+            async def upstream() -> None:
+                nonlocal forwarded
+                async for data in client:
+                    await server.send_all(data)
+                    forwarded += len(data)
+                    if dropping and forwarded >= drop_after:
+                        await trio.sleep(0.3)  # the node has them; its replies are dropped
+                        nursery.cancel_scope.cancel()
+                        return
+                nursery.cancel_scope.cancel()
+
+            async def downstream() -> None:
+                async for data in server:
+                    if dropping and forwarded >= drop_after:
+                        continue
+                    await client.send_all(data)
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(upstream)
+            nursery.start_soon(downstream)
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(trio.serve_tcp, handle, 0)
+        task_status.started(listeners[0].socket.getsockname()[1])
+
+
+def test_a_batch_whose_connection_broke_is_sent_again_without_duplicates(
+    tmp_path: Path,
+) -> None:
+    """The connection breaks after two batches reached the node and before their replies came
+    back: the CLI connects again and sends them again with the same ids; the jobs the lost
+    attempt created count as created, none exists twice, every line is reported created."""
+    node = NodeProc(tmp_path / "data", tmp_path / "node.log")
+    try:
+        path = tmp_path / "specs.jsonl"
+        write_specs(path, 5000, given_every=7)
+        one_batch = len(b"".join(path.read_bytes().splitlines()[:1000]))
+
+        async def main() -> None:
+            async with trio.open_nursery() as nursery:
+                port = await nursery.start(dropping_proxy, node.port, 2 * one_batch)
+                status, ids, err = await submit(port, path)
+                nursery.cancel_scope.cancel()
+            assert status == 0, err
+            assert len(ids) == 5000 and None not in ids and len(set(ids)) == 5000, err
+            assert sorted(await all_job_ids(node.port)) == sorted(ids)  # type: ignore[type-var]
+
+        trio.run(main)
+    finally:
+        node.terminate()
+
+
+class LosingClient:
+    """Stands in for :class:`Client`: creates as a node would, at most ``limit`` batches
+    at once, and loses the reply of its ``lose``-th request (the jobs are created)."""
+
+    def __init__(self, lose: int, existing: dict[str, dict[str, Any]]) -> None:
+        self.jobs = dict(existing)
+        self.lose = lose
+        self.requests = 0
+        self.in_flight = self.most_in_flight = 0
+
+    async def request(
+        self,
+        op: str,
+        args: dict[str, Any],
+        *,
+        timeout_s: float | None = None,
+        sent_on: list[int] | None = None,
+    ) -> Any:
+        assert op == "job.create_many"
+        self.requests += 1
+        if sent_on is not None:
+            sent_on.append(self.requests)
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        await trio.sleep(0.01)
+        self.in_flight -= 1
+        results = []
+        for spec in args["specs"]:
+            if spec["id"] in self.jobs:
+                error = {"code": "exists", "message": "taken", "field": "id"}
+                results.append({"ok": False, "error": error})
+            else:
+                self.jobs[spec["id"]] = spec
+                results.append({"ok": True, "result": {"job_id": spec["id"]}})
+        if self.requests == self.lose:
+            raise RequestTimeout("job.create_many: no reply within 30 s")
+        return {"results": results}
+
+    async def get(self, job_id: str) -> dict[str, Any]:
+        return {"job_id": job_id, "spec": self.jobs[job_id]}
+
+
+def test_a_retried_batch_counts_its_own_jobs_and_refuses_others() -> None:
+    spec = {"schedule": FAR, "task": {"shell": "true"}}
+    other = {"schedule": FAR, "task": {"shell": "false"}}
+    numbered = [(n, dict(spec)) for n in range(1, 51)]
+    numbered[12] = (13, {**spec, "id": "mine"})  # in the batch whose reply is lost
+    numbered[14] = (15, {**spec, "id": "theirs"})  # someone else's job, another spec
+    numbered[16] = (17, {**spec, "id": "mine"})  # the file gives the id twice
+    fake = LosingClient(lose=2, existing={"theirs": {**other, "id": "theirs"}})
+
+    lines = trio.run(lambda: submit_lines(fake, numbered, batch=10, in_flight=2))  # type: ignore[arg-type]
+
+    assert fake.most_in_flight <= 2
+    assert fake.requests == 6  # five batches, the second sent twice
+    by_number = {line.number: line for line in lines}
+    assert by_number[13].error is None  # its own earlier attempt created it
+    assert by_number[15].error is not None and by_number[15].error.startswith("exists")
+    assert by_number[17].error is not None and by_number[17].error.startswith("exists")
+    assert [n for n, line in by_number.items() if line.error] == [15, 17]
+    created = [line.job_id for line in lines if line.error is None]
+    assert len(created) == 48 == len(set(created))
+    assert set(fake.jobs) == {*created, "theirs"}  # nothing created twice or under a new id
