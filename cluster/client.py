@@ -113,6 +113,21 @@ def parse_address(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def connect_reason(exc: OSError) -> str:
+    """Why a connection attempt failed, in words: Trio's "all attempts to connect to X
+    failed" carries each address's error as its cause (refused, unreachable, timed out)."""
+    cause = exc.__cause__
+    if isinstance(cause, BaseExceptionGroup):
+        reasons = [
+            os.strerror(e.errno) if e.errno else str(e)
+            for e in cause.exceptions
+            if isinstance(e, OSError)
+        ]
+        if reasons:
+            return "; ".join(dict.fromkeys(reasons))  # each distinct reason once, in order
+    return exc.strerror or str(exc) or type(exc).__name__
+
+
 class Client:
     """A connection to one node. Open with ``async with Client.connect(host, port) as client``. Safe to use from many tasks at once."""
 
@@ -150,6 +165,9 @@ class Client:
         #: hello again here
         self.on_reconnect: Callable[[], Awaitable[None]] | None = None
         self.generation = 0  # connections made so far
+        #: the error of the last failed connection attempt (None: none failed yet)
+        self.last_connect_error: OSError | None = None
+        self._on_connect_retry: Callable[[OSError], None] | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -162,11 +180,14 @@ class Client:
         *,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         reconnect: bool = True,
+        on_retry: Callable[[OSError], None] | None = None,
     ) -> AsyncIterator[Client]:
         """Connect (retrying with backoff for up to ``timeout_s``), serve the connection for
-        the ``async with`` block, then close it. Raises :class:`ConnectionLost` when no
-        connection could be made in time."""
+        the ``async with`` block, then close it. ``on_retry`` hears the first failed attempt
+        (a command line says it is waiting, and why). Raises :class:`ConnectionLost` when no
+        connection could be made in time, naming the last attempt's error."""
         client = cls(host, port, timeout_s=timeout_s, reconnect=reconnect)
+        client._on_connect_retry = on_retry
         try:
             async with trio.open_nursery() as nursery:
                 client._nursery = nursery
@@ -174,7 +195,11 @@ class Client:
                     with trio.fail_after(timeout_s):
                         await client._open()
                 except trio.TooSlowError:
-                    raise ConnectionLost(f"cannot connect to {host}:{port}") from None
+                    why = client.last_connect_error
+                    raise ConnectionLost(
+                        f"cannot connect to {host}:{port} within {timeout_s:g} s"
+                        + (f": {connect_reason(why)}" if why is not None else "")
+                    ) from None
                 try:
                     yield client
                 finally:
@@ -204,7 +229,10 @@ class Client:
             try:
                 stream = await trio.open_tcp_stream(self.host, self.port)
                 break
-            except OSError:
+            except OSError as exc:
+                if self.last_connect_error is None and self._on_connect_retry is not None:
+                    self._on_connect_retry(exc)
+                self.last_connect_error = exc
                 await trio.sleep(delay)
                 delay = min(delay * 2, 1.0)
         self._stream = stream

@@ -23,7 +23,14 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from cluster.client import Client, ClientError, ConnectionLost, RemoteError, parse_address
+from cluster.client import (
+    Client,
+    ClientError,
+    ConnectionLost,
+    RemoteError,
+    connect_reason,
+    parse_address,
+)
 
 # Wide when piped, so that run ids are never cut in a log or a demo transcript.
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
@@ -281,7 +288,16 @@ def render_runs(runs: list[dict[str, Any]]) -> None:
 
 async def _with_client(args: argparse.Namespace, body: Callable[[Client], Awaitable[int]]) -> int:
     host, port = parse_address(args.connect)
-    async with Client.connect(host, port, timeout_s=10, reconnect=False) as client:
+
+    def waiting(exc: OSError) -> None:  # a node starting up gets the time; a typo a word
+        err_console.print(
+            escape(f"cannot connect to {host}:{port} ({connect_reason(exc)}); trying for 10 s"),
+            highlight=False,
+        )
+
+    async with Client.connect(
+        host, port, timeout_s=10, reconnect=False, on_retry=waiting
+    ) as client:
         return await body(client)
 
 

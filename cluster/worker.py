@@ -47,7 +47,14 @@ from typing import Any
 
 import trio
 
-from cluster.client import Client, ClientError, ConnectionLost, RemoteError, RequestNotSendable
+from cluster.client import (
+    Client,
+    ClientError,
+    ConnectionLost,
+    RemoteError,
+    RequestNotSendable,
+    connect_reason,
+)
 from cluster.runner import RunHandle, TaskNotRunnable, run_task
 from cluster.watchdog_link import WatchdogLink
 from engine.effects import RunTicket
@@ -359,7 +366,7 @@ class WorkerAgent:
                 stream = await trio.open_tcp_stream(self.host, self.port)
             except OSError as exc:
                 attempts += 1
-                reason = exc.strerror or str(exc) or type(exc).__name__
+                reason = connect_reason(exc)
                 where = f"{self.host}:{self.port}"
                 if trio.current_time() + delay > deadline:
                     raise WorkerError(

@@ -312,3 +312,28 @@ def test_output_into_a_closed_pipe_ends_quietly(node: NodeProc) -> None:
         proc.stdout.close()  # as `| head` that has read what it wanted
         stderr = proc.stderr.read().decode()
         assert proc.wait(60) == 1 and stderr == "", stderr
+
+
+def test_a_command_with_no_node_to_reach_says_why_at_once_and_at_the_end() -> None:
+    """Found by the fifth adversarial pass: ten silent seconds, then only "cannot connect"."""
+    with socket.socket() as s:  # a port nothing listens on (bound, never listening)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        done = tw("jobs", "--connect", f"127.0.0.1:{port}")
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert lines[0] == f"cannot connect to 127.0.0.1:{port} (Connection refused); trying for 10 s"
+    assert lines[-1].endswith(f"cannot connect to 127.0.0.1:{port} within 10 s: Connection refused")
+
+
+def test_connect_reason_names_each_distinct_error() -> None:
+    from cluster.client import connect_reason
+
+    group = ExceptionGroup(
+        "all failed", [ConnectionRefusedError(111, "x"), ConnectionRefusedError(111, "y")]
+    )
+    exc = OSError("all attempts to connect to h:1 failed")
+    exc.__cause__ = group
+    assert connect_reason(exc) == "Connection refused"
+    assert connect_reason(OSError(113, "No route to host")) == "No route to host"
+    assert connect_reason(OSError("plain")) == "plain"
