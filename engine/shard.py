@@ -186,6 +186,54 @@ class EngineConfig:
 _REPLAY_SCHEDULES: dict[tuple[str, Any], Schedule] = {}
 _REPLAY_CACHE_LIMIT: Final = 4096
 
+#: A snapshot's table of policies and its profiles' schedules, parsed, by their stored form
+#: (its ``repr``: exact for the plain values a snapshot holds, where ``True``, ``1`` and
+#: ``1.0`` differ), and each policy's stored form, by policy: what loading and exporting a
+#: snapshot did for every distinct policy and profile each time, which a process repeats for
+#: the same ones (a shard recovered again, the next snapshot of a shard). Pure functions of
+#: their keys, so shared by every engine of the process; bounds (cleared when full), not
+#: LRUs, sized for the tens of thousands of distinct policies a cluster of one-off jobs has.
+_SNAPSHOT_POLICIES: dict[str, Policy] = {}
+_SNAPSHOT_SCHEDULES: dict[tuple[str, str | None], Schedule] = {}
+_POLICY_FORMS: dict[Policy, dict[str, object]] = {}
+_SNAPSHOT_CACHE_LIMIT: Final = 1 << 15
+
+
+def _snapshot_policy(stored: Mapping[str, Any]) -> Policy:
+    """``parse_policy(stored)``, kept by the stored form's text (an error is not kept)."""
+    text = repr(stored)
+    policy = _SNAPSHOT_POLICIES.get(text)
+    if policy is None:
+        policy = parse_policy(stored)
+        if len(_SNAPSHOT_POLICIES) >= _SNAPSHOT_CACHE_LIMIT:
+            _SNAPSHOT_POLICIES.clear()
+        _SNAPSHOT_POLICIES[text] = policy
+    return policy
+
+
+def _snapshot_schedule(stored: Mapping[str, Any], jitter_id: str | None) -> Schedule:
+    """``parse_schedule(stored, job_id=jitter_id)``, kept by the stored form's text."""
+    key = (repr(stored), jitter_id)
+    schedule = _SNAPSHOT_SCHEDULES.get(key)
+    if schedule is None:
+        schedule = parse_schedule(stored, job_id=jitter_id)
+        if len(_SNAPSHOT_SCHEDULES) >= _SNAPSHOT_CACHE_LIMIT:
+            _SNAPSHOT_SCHEDULES.clear()
+        _SNAPSHOT_SCHEDULES[key] = schedule
+    return schedule
+
+
+def _policy_form(policy: Policy) -> dict[str, object]:
+    """``policy.to_dict()``: a fresh dict (its ``retries`` too), rendered once per policy."""
+    form = _POLICY_FORMS.get(policy)
+    if form is None:
+        if len(_POLICY_FORMS) >= _SNAPSHOT_CACHE_LIMIT:
+            _POLICY_FORMS.clear()
+        form = _POLICY_FORMS[policy] = policy.to_dict()
+    out = dict(form)
+    out["retries"] = dict(form["retries"])  # type: ignore[call-overload]
+    return out
+
 
 @dataclass(frozen=True, slots=True)
 class _Profile:
@@ -233,9 +281,9 @@ class _Profile:
                 )
             policy = policies[stored]
         else:
-            policy = parse_policy(stored)
+            policy = _snapshot_policy(stored)
         return cls(
-            None if schedule is None else parse_schedule(schedule, job_id=d["jitter_id"]),
+            None if schedule is None else _snapshot_schedule(schedule, d["jitter_id"]),
             policy,
             tuple(d["after"]),
             d["jitter_id"],
@@ -830,7 +878,7 @@ class ShardEngine:
                 index = by_value.get(policy)
                 if index is None:
                     index = by_value[policy] = len(policies)
-                    policies.append(policy.to_dict())
+                    policies.append(_policy_form(policy))
                 by_object[id(policy)] = index
             out.append(profile.to_dict(index))
         return policies, out
@@ -2317,7 +2365,7 @@ class ShardEngine:
         self._replay_epoch = int(meta["epoch"])
         # Each distinct policy is parsed once ("policies"; absent from older snapshots, whose
         # profiles carry their policies whole).
-        policies = [parse_policy(p) for p in meta.get("policies", ())]
+        policies = [_snapshot_policy(p) for p in meta.get("policies", ())]
         self._profiles = [_Profile.from_dict(d, policies) for d in meta["profiles"]]
         self._profile_ids = {p.identity(): i for i, p in enumerate(self._profiles)}
         self._last_profile = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine import shard
 from engine.directory import MemoryDirectory
 from engine.effects import (
     CancelJob,
@@ -13,8 +14,8 @@ from engine.effects import (
     UpdateJob,
     WorkerHello,
 )
-from engine.errors import EngineStateError, EngineUsageError, StaleEpoch
-from engine.jobs import validate_job
+from engine.errors import EngineStateError, EngineUsageError, JobSpecError, StaleEpoch
+from engine.jobs import parse_policy, validate_job
 from engine.records import ACCT_EXHAUSTED, expand
 from engine.schedules import format_utc
 from engine.shard import ShardEngine
@@ -200,6 +201,56 @@ def test_a_snapshot_stores_each_policy_once_and_reads_the_older_form_too() -> No
     broken["profiles"] = [{**profiles[0], "policy": len(policies)}, *profiles[1:]]
     with pytest.raises(EngineStateError, match="names policy"):
         _recover(node, Snapshot(snap.arrays, broken))
+
+
+def _clear_snapshot_caches() -> None:
+    shard._SNAPSHOT_POLICIES.clear()
+    shard._SNAPSHOT_SCHEDULES.clear()
+    shard._POLICY_FORMS.clear()
+
+
+def test_snapshot_caches_give_what_parsing_and_rendering_give() -> None:
+    node = build_mixed_shard()
+    node.flush()
+    live = node.engine.snapshot()
+    _clear_snapshot_caches()
+    cold = node.engine.export_snapshot()
+    warm = node.engine.export_snapshot()  # every policy's form from the cache now
+    assert warm.meta["policies"] == cold.meta["policies"]
+    assert warm.meta["profiles"] == cold.meta["profiles"]
+    uncached = [
+        p.to_dict() for p in {id(p.policy): p.policy for p in node.engine._profiles}.values()
+    ]
+    assert all(form in uncached for form in warm.meta["policies"])
+    # Each snapshot has dicts of its own: changing one changes neither the cache nor the next.
+    warm.meta["policies"][0]["retries"]["max"] = 99
+    warm.meta["policies"][0]["tier"] = "changed"
+    assert node.engine.export_snapshot().meta["policies"] == cold.meta["policies"]
+    # Loading: cold (parsing every policy and schedule) and warm give the same engine state,
+    # with policies and schedules equal to those parsed afresh.
+    _clear_snapshot_caches()
+    first = _recover(node, cold)
+    second = _recover(node, cold)
+    for engine in (first, second):
+        assert engine.snapshot()["jobs"] == live["jobs"]
+        assert [p.policy for p in engine._profiles] == [p.policy for p in node.engine._profiles]
+        assert [p.schedule for p in engine._profiles] == [p.schedule for p in node.engine._profiles]
+    for stored in cold.meta["policies"]:
+        assert shard._snapshot_policy(stored) == parse_policy(stored)
+
+
+def test_the_snapshot_policy_cache_tells_apart_values_that_compare_equal() -> None:
+    _clear_snapshot_caches()
+    assert shard._snapshot_policy({"max_catchup": 1}).max_catchup == 1
+    # True == 1 as a dict key, but a bool is no count: still refused once 1 is cached.
+    with pytest.raises(JobSpecError):
+        parse_policy({"max_catchup": True})
+    with pytest.raises(JobSpecError):
+        shard._snapshot_policy({"max_catchup": True})
+    # A refusal is not kept: the same text refused again, and a bound that clears when full.
+    with pytest.raises(JobSpecError):
+        shard._snapshot_policy({"max_catchup": True})
+    assert len(shard._SNAPSHOT_POLICIES) == 1
 
 
 def test_a_snapshot_needs_the_stores_directory_and_a_newer_epoch() -> None:
