@@ -87,6 +87,7 @@ from engine.errors import (
     TimeWentBackwards,
 )
 from engine.jobs import (
+    POLICY_KEYS,
     JobSpec,
     Policy,
     parse_policy,
@@ -197,6 +198,19 @@ _SNAPSHOT_POLICIES: dict[str, Policy] = {}
 _SNAPSHOT_SCHEDULES: dict[tuple[str, str | None], Schedule] = {}
 _POLICY_FORMS: dict[Policy, dict[str, object]] = {}
 _SNAPSHOT_CACHE_LIMIT: Final = 1 << 15
+
+
+class _Absent:
+    """A key missing from a stored spec, in the text :meth:`ShardEngine._stored_profile`
+    keeps profiles by (its ``repr`` is no value's)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<absent>"
+
+
+_ABSENT: Final = _Absent()
 
 
 def _snapshot_policy(stored: Mapping[str, Any]) -> Policy:
@@ -455,6 +469,8 @@ class ShardEngine:
         self._free_slots: list[int] = []
         self._next_slot = 0
         self._live_spec: JobSpec | None = None
+        # During recover()'s replay only: stored profile text -> profile id (_stored_profile).
+        self._replay_pids: dict[str, int] | None = None
         # (schedule or None, policy, after, profile id) of the last job created live: see
         # _apply_job. Holds the objects themselves, so that identity stands for equality.
         self._last_profile: tuple[Schedule | None, Policy, tuple[str, ...], int] | None = None
@@ -508,10 +524,12 @@ class ShardEngine:
         if snapshot is not None:
             engine._load_snapshot(snapshot)
         own = engine._own_directory
+        engine._replay_pids = {}  # after the snapshot's profiles: only ever appended to now
         for record in durable_records:
             engine._apply(rec.check(record), recovering=True)
             if own is not None:
                 own.absorb((record,))
+        engine._replay_pids = None
         engine._after_recovery()
         engine._emit(rec.make("epoch", epoch=epoch))
         for _seq, out in sorted(engine._outbox.items()):
@@ -1102,6 +1120,35 @@ class ShardEngine:
             self._recent_order.append((batch, key, r["id"]))
 
     def _stored_profile(self, spec: Mapping[str, Any]) -> int:
+        """:meth:`_stored_profile_parsed`, kept during a replay by the text of what it reads.
+
+        A replay meets the same policy and schedule many times (a job's every version, jobs
+        created alike): the text of the fields the profile comes from (the policy keys,
+        ``after``, the schedule unless it is an ``at``, the id when the schedule has jitter)
+        is cheaper than parsing them and hashing the profile. ``repr`` tells apart what a
+        dict key would not (``True``, ``1`` and ``1.0``); a refused spec is not kept. Only for
+        the replay of :meth:`recover`, and dropped after it: with ``every`` jobs nearly every
+        job has a text of its own.
+        """
+        memo = self._replay_pids
+        if memo is None:
+            return self._stored_profile_parsed(spec)
+        raw = spec.get("schedule")
+        is_map = isinstance(raw, Mapping)
+        text = repr(
+            (
+                [spec.get(k, _ABSENT) for k in POLICY_KEYS],
+                spec.get("after", _ABSENT),
+                ("at",) if is_map and "at" in raw else ("s", raw),  # type: ignore[operator]
+                spec.get("id", _ABSENT) if is_map and "jitter" in raw else None,  # type: ignore[operator]
+            )
+        )
+        pid = memo.get(text)
+        if pid is None:
+            pid = memo[text] = self._stored_profile_parsed(spec)
+        return pid
+
+    def _stored_profile_parsed(self, spec: Mapping[str, Any]) -> int:
         """The interned profile of a stored (validated, normalized) spec.
 
         Validating a whole spec costs ~100 us and a replay meets thousands, so only what a

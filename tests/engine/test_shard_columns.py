@@ -303,3 +303,60 @@ def test_handle_many_decides_as_handling_one_by_one() -> None:
         return engine.snapshot(), sorted(replies)
 
     assert run(grouped=True) == run(grouped=False)
+
+
+def test_a_replay_keeps_profiles_by_text_and_builds_what_parsing_builds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    node = build_mixed_shard()
+    # More of the same and more versions: jobs alike, updated, with jitter (whose profile
+    # depends on the id), and a policy value that a dict key would confuse with another.
+    for n in range(3):
+        node.create(**spec(f"alike{n}", 600), task={"command": ["true"]}, max_catchup=1)
+        node.create(
+            id=f"jit{n}",
+            schedule={"every": "1m", "start": format_utc(T0 + 60_000), "jitter": "30s"},
+            task={"command": ["true"]},
+        )
+        node.create(
+            id=f"float{n}",
+            schedule={"every": "1m", "start": format_utc(T0 + 60_000)},
+            task={"command": ["true"]},
+            retries={"max": 1, "factor": 2 if n else 2.5},
+        )
+    update = {**spec("alike0", 900), "task": {"command": ["false"]}, "max_catchup": 1}
+    node.do(UpdateJob(node.request(), validate_job(update, now_ms=node.wall)))
+    node.flush()
+    records = list(node.durable_records)
+
+    def recover() -> ShardEngine:
+        engine, _ = ShardEngine.recover(
+            records,
+            epoch=node.epoch + 1,
+            wall_ms=node.wall,
+            mono_ms=node.mono,
+            config=node.config,
+            directory=MemoryDirectory(records),
+        )
+        return engine
+
+    parses: list[object] = []
+    slow = ShardEngine._stored_profile_parsed
+    with monkeypatch.context() as m:
+        m.setattr(
+            ShardEngine,
+            "_stored_profile_parsed",
+            lambda self, s: parses.append(s) or slow(self, s),
+        )
+        kept = recover()
+    assert kept._replay_pids is None  # dropped after the replay
+    jobs = [r for r in records if r["t"] == "job"]
+    assert len(parses) < len(jobs)  # the alike ones were not parsed again
+    with monkeypatch.context() as m:
+        m.setattr(ShardEngine, "_stored_profile", ShardEngine._stored_profile_parsed)
+        parsed = recover()
+    assert len(kept._profiles) == len(parsed._profiles) < len(records)
+    assert kept._profiles == parsed._profiles
+    assert [p.jitter_id for p in kept._profiles] == [p.jitter_id for p in parsed._profiles]
+    assert list(kept._prof) == list(parsed._prof)
+    assert kept.snapshot() == parsed.snapshot()
