@@ -200,6 +200,11 @@ _POLICY_FORMS: dict[Policy, dict[str, object]] = {}
 _SNAPSHOT_CACHE_LIMIT: Final = 1 << 15
 
 
+#: Profiles of stored specs by the text of their fields (see ``ShardEngine._stored_profile``).
+_STORED_PROFILES: dict[str, _Profile] = {}
+_STORED_PROFILE_LIMIT: Final = 1 << 14
+
+
 class _Absent:
     """A key missing from a stored spec, in the text :meth:`ShardEngine._stored_profile`
     keeps profiles by (its ``repr`` is no value's)."""
@@ -469,8 +474,6 @@ class ShardEngine:
         self._free_slots: list[int] = []
         self._next_slot = 0
         self._live_spec: JobSpec | None = None
-        # During recover()'s replay only: stored profile text -> profile id (_stored_profile).
-        self._replay_pids: dict[str, int] | None = None
         # (schedule or None, policy, after, profile id) of the last job created live: see
         # _apply_job. Holds the objects themselves, so that identity stands for equality.
         self._last_profile: tuple[Schedule | None, Policy, tuple[str, ...], int] | None = None
@@ -524,12 +527,10 @@ class ShardEngine:
         if snapshot is not None:
             engine._load_snapshot(snapshot)
         own = engine._own_directory
-        engine._replay_pids = {}  # after the snapshot's profiles: only ever appended to now
         for record in durable_records:
             engine._apply(rec.check(record), recovering=True)
             if own is not None:
                 own.absorb((record,))
-        engine._replay_pids = None
         engine._after_recovery()
         engine._emit(rec.make("epoch", epoch=epoch))
         for _seq, out in sorted(engine._outbox.items()):
@@ -1120,19 +1121,17 @@ class ShardEngine:
             self._recent_order.append((batch, key, r["id"]))
 
     def _stored_profile(self, spec: Mapping[str, Any]) -> int:
-        """:meth:`_stored_profile_parsed`, kept during a replay by the text of what it reads.
+        """:meth:`_stored_profile_parsed`, its profile kept by the text of what it reads.
 
-        A replay meets the same policy and schedule many times (a job's every version, jobs
-        created alike): the text of the fields the profile comes from (the policy keys,
-        ``after``, the schedule unless it is an ``at``, the id when the schedule has jitter)
-        is cheaper than parsing them and hashing the profile. ``repr`` tells apart what a
-        dict key would not (``True``, ``1`` and ``1.0``); a refused spec is not kept. Only for
-        the replay of :meth:`recover`, and dropped after it: with ``every`` jobs nearly every
-        job has a text of its own.
+        Replays meet the same profile many times: a job's every version, jobs created alike,
+        and, in one process, the same jobs again when a shard is recovered again (the
+        simulation recovers a shard dozens of times). The text of the fields a profile comes
+        from (the policy keys, ``after``, the schedule unless it is an ``at``, the id when the
+        schedule has jitter) is cheaper than parsing them. ``repr`` tells apart what a dict
+        key would not (``True``, ``1`` and ``1.0``); a refused spec is not kept. Profiles are
+        values, so the cache is shared by every engine of the process (a bound, cleared when
+        full).
         """
-        memo = self._replay_pids
-        if memo is None:
-            return self._stored_profile_parsed(spec)
         raw = spec.get("schedule")
         is_map = isinstance(raw, Mapping)
         text = repr(
@@ -1143,9 +1142,13 @@ class ShardEngine:
                 spec.get("id", _ABSENT) if is_map and "jitter" in raw else None,  # type: ignore[operator]
             )
         )
-        pid = memo.get(text)
-        if pid is None:
-            pid = memo[text] = self._stored_profile_parsed(spec)
+        profile = _STORED_PROFILES.get(text)
+        if profile is not None:
+            return self._intern(profile)
+        pid = self._stored_profile_parsed(spec)
+        if len(_STORED_PROFILES) >= _STORED_PROFILE_LIMIT:
+            _STORED_PROFILES.clear()
+        _STORED_PROFILES[text] = self._profiles[pid]
         return pid
 
     def _stored_profile_parsed(self, spec: Mapping[str, Any]) -> int:

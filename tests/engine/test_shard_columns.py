@@ -305,7 +305,7 @@ def test_handle_many_decides_as_handling_one_by_one() -> None:
     assert run(grouped=True) == run(grouped=False)
 
 
-def test_a_replay_keeps_profiles_by_text_and_builds_what_parsing_builds(
+def test_replays_keep_profiles_by_text_and_build_what_parsing_builds(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     node = build_mixed_shard()
@@ -340,6 +340,7 @@ def test_a_replay_keeps_profiles_by_text_and_builds_what_parsing_builds(
         )
         return engine
 
+    shard._STORED_PROFILES.clear()
     parses: list[object] = []
     slow = ShardEngine._stored_profile_parsed
     with monkeypatch.context() as m:
@@ -349,9 +350,14 @@ def test_a_replay_keeps_profiles_by_text_and_builds_what_parsing_builds(
             lambda self, s: parses.append(s) or slow(self, s),
         )
         kept = recover()
-    assert kept._replay_pids is None  # dropped after the replay
     jobs = [r for r in records if r["t"] == "job"]
     assert len(parses) < len(jobs)  # the alike ones were not parsed again
+    parsed_before = len(parses)
+    with monkeypatch.context() as m:
+        m.setattr(ShardEngine, "_stored_profile_parsed", lambda self, s: parses.append(s))
+        again = recover()  # another engine of the process: every profile from the cache
+    assert len(parses) == parsed_before
+    assert again._profiles == kept._profiles
     with monkeypatch.context() as m:
         m.setattr(ShardEngine, "_stored_profile", ShardEngine._stored_profile_parsed)
         parsed = recover()
