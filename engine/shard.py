@@ -193,11 +193,12 @@ _REPLAY_CACHE_LIMIT: Final = 4096
 #: snapshot did for every distinct policy and profile each time, which a process repeats for
 #: the same ones (a shard recovered again, the next snapshot of a shard). Pure functions of
 #: their keys, so shared by every engine of the process; bounds (cleared when full), not
-#: LRUs, sized for the tens of thousands of distinct policies a cluster of one-off jobs has.
+#: LRUs, sized for the ~10,000 distinct policies of the large simulation (at most ~16 MB
+#: each: an entry is a policy's text or rendered dict, about a kilobyte).
 _SNAPSHOT_POLICIES: dict[str, Policy] = {}
 _SNAPSHOT_SCHEDULES: dict[tuple[str, str | None], Schedule] = {}
 _POLICY_FORMS: dict[Policy, dict[str, object]] = {}
-_SNAPSHOT_CACHE_LIMIT: Final = 1 << 15
+_SNAPSHOT_CACHE_LIMIT: Final = 1 << 14
 
 
 #: Profiles of stored specs by the text of their fields (see ``ShardEngine._stored_profile``).
