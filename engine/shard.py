@@ -87,6 +87,7 @@ from engine.errors import (
     TimeWentBackwards,
 )
 from engine.jobs import (
+    POLICY_KEYS,
     JobSpec,
     Policy,
     parse_policy,
@@ -186,6 +187,73 @@ class EngineConfig:
 _REPLAY_SCHEDULES: dict[tuple[str, Any], Schedule] = {}
 _REPLAY_CACHE_LIMIT: Final = 4096
 
+#: A snapshot's table of policies and its profiles' schedules, parsed, by their stored form
+#: (its ``repr``: exact for the plain values a snapshot holds, where ``True``, ``1`` and
+#: ``1.0`` differ), and each policy's stored form, by policy: what loading and exporting a
+#: snapshot did for every distinct policy and profile each time, which a process repeats for
+#: the same ones (a shard recovered again, the next snapshot of a shard). Pure functions of
+#: their keys, so shared by every engine of the process; bounds (cleared when full), not
+#: LRUs, sized for the ~10,000 distinct policies of the large simulation (at most ~16 MB
+#: each: an entry is a policy's text or rendered dict, about a kilobyte).
+_SNAPSHOT_POLICIES: dict[str, Policy] = {}
+_SNAPSHOT_SCHEDULES: dict[tuple[str, str | None], Schedule] = {}
+_POLICY_FORMS: dict[Policy, dict[str, object]] = {}
+_SNAPSHOT_CACHE_LIMIT: Final = 1 << 14
+
+
+#: Profiles of stored specs by the text of their fields (see ``ShardEngine._stored_profile``).
+_STORED_PROFILES: dict[str, _Profile] = {}
+_STORED_PROFILE_LIMIT: Final = 1 << 14
+
+
+class _Absent:
+    """A key missing from a stored spec, in the text :meth:`ShardEngine._stored_profile`
+    keeps profiles by (its ``repr`` is no value's)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<absent>"
+
+
+_ABSENT: Final = _Absent()
+
+
+def _snapshot_policy(stored: Mapping[str, Any]) -> Policy:
+    """``parse_policy(stored)``, kept by the stored form's text (an error is not kept)."""
+    text = repr(stored)
+    policy = _SNAPSHOT_POLICIES.get(text)
+    if policy is None:
+        policy = parse_policy(stored)
+        if len(_SNAPSHOT_POLICIES) >= _SNAPSHOT_CACHE_LIMIT:
+            _SNAPSHOT_POLICIES.clear()
+        _SNAPSHOT_POLICIES[text] = policy
+    return policy
+
+
+def _snapshot_schedule(stored: Mapping[str, Any], jitter_id: str | None) -> Schedule:
+    """``parse_schedule(stored, job_id=jitter_id)``, kept by the stored form's text."""
+    key = (repr(stored), jitter_id)
+    schedule = _SNAPSHOT_SCHEDULES.get(key)
+    if schedule is None:
+        schedule = parse_schedule(stored, job_id=jitter_id)
+        if len(_SNAPSHOT_SCHEDULES) >= _SNAPSHOT_CACHE_LIMIT:
+            _SNAPSHOT_SCHEDULES.clear()
+        _SNAPSHOT_SCHEDULES[key] = schedule
+    return schedule
+
+
+def _policy_form(policy: Policy) -> dict[str, object]:
+    """``policy.to_dict()``: a fresh dict (its ``retries`` too), rendered once per policy."""
+    form = _POLICY_FORMS.get(policy)
+    if form is None:
+        if len(_POLICY_FORMS) >= _SNAPSHOT_CACHE_LIMIT:
+            _POLICY_FORMS.clear()
+        form = _POLICY_FORMS[policy] = policy.to_dict()
+    out = dict(form)
+    out["retries"] = dict(form["retries"])  # type: ignore[call-overload]
+    return out
+
 
 @dataclass(frozen=True, slots=True)
 class _Profile:
@@ -233,9 +301,9 @@ class _Profile:
                 )
             policy = policies[stored]
         else:
-            policy = parse_policy(stored)
+            policy = _snapshot_policy(stored)
         return cls(
-            None if schedule is None else parse_schedule(schedule, job_id=d["jitter_id"]),
+            None if schedule is None else _snapshot_schedule(schedule, d["jitter_id"]),
             policy,
             tuple(d["after"]),
             d["jitter_id"],
@@ -830,7 +898,7 @@ class ShardEngine:
                 index = by_value.get(policy)
                 if index is None:
                     index = by_value[policy] = len(policies)
-                    policies.append(policy.to_dict())
+                    policies.append(_policy_form(policy))
                 by_object[id(policy)] = index
             out.append(profile.to_dict(index))
         return policies, out
@@ -1054,6 +1122,37 @@ class ShardEngine:
             self._recent_order.append((batch, key, r["id"]))
 
     def _stored_profile(self, spec: Mapping[str, Any]) -> int:
+        """:meth:`_stored_profile_parsed`, its profile kept by the text of what it reads.
+
+        Replays meet the same profile many times: a job's every version, jobs created alike,
+        and, in one process, the same jobs again when a shard is recovered again (the
+        simulation recovers a shard dozens of times). The text of the fields a profile comes
+        from (the policy keys, ``after``, the schedule unless it is an ``at``, the id when the
+        schedule has jitter) is cheaper than parsing them. ``repr`` tells apart what a dict
+        key would not (``True``, ``1`` and ``1.0``); a refused spec is not kept. Profiles are
+        values, so the cache is shared by every engine of the process (a bound, cleared when
+        full).
+        """
+        raw = spec.get("schedule")
+        is_map = isinstance(raw, Mapping)
+        text = repr(
+            (
+                [spec.get(k, _ABSENT) for k in POLICY_KEYS],
+                spec.get("after", _ABSENT),
+                ("at",) if is_map and "at" in raw else ("s", raw),  # type: ignore[operator]
+                spec.get("id", _ABSENT) if is_map and "jitter" in raw else None,  # type: ignore[operator]
+            )
+        )
+        profile = _STORED_PROFILES.get(text)
+        if profile is not None:
+            return self._intern(profile)
+        pid = self._stored_profile_parsed(spec)
+        if len(_STORED_PROFILES) >= _STORED_PROFILE_LIMIT:
+            _STORED_PROFILES.clear()
+        _STORED_PROFILES[text] = self._profiles[pid]
+        return pid
+
+    def _stored_profile_parsed(self, spec: Mapping[str, Any]) -> int:
         """The interned profile of a stored (validated, normalized) spec.
 
         Validating a whole spec costs ~100 us and a replay meets thousands, so only what a
@@ -2317,7 +2416,7 @@ class ShardEngine:
         self._replay_epoch = int(meta["epoch"])
         # Each distinct policy is parsed once ("policies"; absent from older snapshots, whose
         # profiles carry their policies whole).
-        policies = [parse_policy(p) for p in meta.get("policies", ())]
+        policies = [_snapshot_policy(p) for p in meta.get("policies", ())]
         self._profiles = [_Profile.from_dict(d, policies) for d in meta["profiles"]]
         self._profile_ids = {p.identity(): i for i, p in enumerate(self._profiles)}
         self._last_profile = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine import shard
 from engine.directory import MemoryDirectory
 from engine.effects import (
     CancelJob,
@@ -13,8 +14,8 @@ from engine.effects import (
     UpdateJob,
     WorkerHello,
 )
-from engine.errors import EngineStateError, EngineUsageError, StaleEpoch
-from engine.jobs import validate_job
+from engine.errors import EngineStateError, EngineUsageError, JobSpecError, StaleEpoch
+from engine.jobs import parse_policy, validate_job
 from engine.records import ACCT_EXHAUSTED, expand
 from engine.schedules import format_utc
 from engine.shard import ShardEngine
@@ -202,6 +203,56 @@ def test_a_snapshot_stores_each_policy_once_and_reads_the_older_form_too() -> No
         _recover(node, Snapshot(snap.arrays, broken))
 
 
+def _clear_snapshot_caches() -> None:
+    shard._SNAPSHOT_POLICIES.clear()
+    shard._SNAPSHOT_SCHEDULES.clear()
+    shard._POLICY_FORMS.clear()
+
+
+def test_snapshot_caches_give_what_parsing_and_rendering_give() -> None:
+    node = build_mixed_shard()
+    node.flush()
+    live = node.engine.snapshot()
+    _clear_snapshot_caches()
+    cold = node.engine.export_snapshot()
+    warm = node.engine.export_snapshot()  # every policy's form from the cache now
+    assert warm.meta["policies"] == cold.meta["policies"]
+    assert warm.meta["profiles"] == cold.meta["profiles"]
+    uncached = [
+        p.to_dict() for p in {id(p.policy): p.policy for p in node.engine._profiles}.values()
+    ]
+    assert all(form in uncached for form in warm.meta["policies"])
+    # Each snapshot has dicts of its own: changing one changes neither the cache nor the next.
+    warm.meta["policies"][0]["retries"]["max"] = 99
+    warm.meta["policies"][0]["tier"] = "changed"
+    assert node.engine.export_snapshot().meta["policies"] == cold.meta["policies"]
+    # Loading: cold (parsing every policy and schedule) and warm give the same engine state,
+    # with policies and schedules equal to those parsed afresh.
+    _clear_snapshot_caches()
+    first = _recover(node, cold)
+    second = _recover(node, cold)
+    for engine in (first, second):
+        assert engine.snapshot()["jobs"] == live["jobs"]
+        assert [p.policy for p in engine._profiles] == [p.policy for p in node.engine._profiles]
+        assert [p.schedule for p in engine._profiles] == [p.schedule for p in node.engine._profiles]
+    for stored in cold.meta["policies"]:
+        assert shard._snapshot_policy(stored) == parse_policy(stored)
+
+
+def test_the_snapshot_policy_cache_tells_apart_values_that_compare_equal() -> None:
+    _clear_snapshot_caches()
+    assert shard._snapshot_policy({"max_catchup": 1}).max_catchup == 1
+    # True == 1 as a dict key, but a bool is no count: still refused once 1 is cached.
+    with pytest.raises(JobSpecError):
+        parse_policy({"max_catchup": True})
+    with pytest.raises(JobSpecError):
+        shard._snapshot_policy({"max_catchup": True})
+    # A refusal is not kept: the same text refused again, and a bound that clears when full.
+    with pytest.raises(JobSpecError):
+        shard._snapshot_policy({"max_catchup": True})
+    assert len(shard._SNAPSHOT_POLICIES) == 1
+
+
 def test_a_snapshot_needs_the_stores_directory_and_a_newer_epoch() -> None:
     node = build_mixed_shard()
     snap = node.engine.export_snapshot()
@@ -252,3 +303,66 @@ def test_handle_many_decides_as_handling_one_by_one() -> None:
         return engine.snapshot(), sorted(replies)
 
     assert run(grouped=True) == run(grouped=False)
+
+
+def test_replays_keep_profiles_by_text_and_build_what_parsing_builds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    node = build_mixed_shard()
+    # More of the same and more versions: jobs alike, updated, with jitter (whose profile
+    # depends on the id), and a policy value that a dict key would confuse with another.
+    for n in range(3):
+        node.create(**spec(f"alike{n}", 600), task={"command": ["true"]}, max_catchup=1)
+        node.create(
+            id=f"jit{n}",
+            schedule={"every": "1m", "start": format_utc(T0 + 60_000), "jitter": "30s"},
+            task={"command": ["true"]},
+        )
+        node.create(
+            id=f"float{n}",
+            schedule={"every": "1m", "start": format_utc(T0 + 60_000)},
+            task={"command": ["true"]},
+            retries={"max": 1, "factor": 2 if n else 2.5},
+        )
+    update = {**spec("alike0", 900), "task": {"command": ["false"]}, "max_catchup": 1}
+    node.do(UpdateJob(node.request(), validate_job(update, now_ms=node.wall)))
+    node.flush()
+    records = list(node.durable_records)
+
+    def recover() -> ShardEngine:
+        engine, _ = ShardEngine.recover(
+            records,
+            epoch=node.epoch + 1,
+            wall_ms=node.wall,
+            mono_ms=node.mono,
+            config=node.config,
+            directory=MemoryDirectory(records),
+        )
+        return engine
+
+    shard._STORED_PROFILES.clear()
+    parses: list[object] = []
+    slow = ShardEngine._stored_profile_parsed
+    with monkeypatch.context() as m:
+        m.setattr(
+            ShardEngine,
+            "_stored_profile_parsed",
+            lambda self, s: parses.append(s) or slow(self, s),
+        )
+        kept = recover()
+    jobs = [r for r in records if r["t"] == "job"]
+    assert len(parses) < len(jobs)  # the alike ones were not parsed again
+    parsed_before = len(parses)
+    with monkeypatch.context() as m:
+        m.setattr(ShardEngine, "_stored_profile_parsed", lambda self, s: parses.append(s))
+        again = recover()  # another engine of the process: every profile from the cache
+    assert len(parses) == parsed_before
+    assert again._profiles == kept._profiles
+    with monkeypatch.context() as m:
+        m.setattr(ShardEngine, "_stored_profile", ShardEngine._stored_profile_parsed)
+        parsed = recover()
+    assert len(kept._profiles) == len(parsed._profiles) < len(records)
+    assert kept._profiles == parsed._profiles
+    assert [p.jitter_id for p in kept._profiles] == [p.jitter_id for p in parsed._profiles]
+    assert list(kept._prof) == list(parsed._prof)
+    assert kept.snapshot() == parsed.snapshot()
