@@ -1771,6 +1771,7 @@ def _job_result(described: dict[str, Any]) -> dict[str, Any]:
         "next_fire": None if nxt is None else format_utc(nxt),
         "paused": described.get("paused"),
         "active_runs": described.get("active_runs", []),
+        **({"waiting": described["waiting"]} if "waiting" in described else {}),
     }
 
 

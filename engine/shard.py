@@ -1528,7 +1528,7 @@ class ShardEngine:
     def _describe_at(self, key: int, job_id: str, nxt: int | None) -> dict[str, Any]:
         """:meth:`_describe` when the caller knows ``_next_due(key)``: ``nxt``."""
         paused = bool(self._flags[key] & _PAUSED)
-        return {
+        described: dict[str, Any] = {
             "id": job_id,
             "version": self._ver[key],
             "next_fire_ms": None if paused else nxt,
@@ -1537,6 +1537,26 @@ class ShardEngine:
             if key in self._active
             else [],
         }
+        if not paused and nxt is not None and nxt <= self._wall:
+            waiting = self._fire_held_reason(key)
+            if waiting is not None:
+                described["waiting"] = waiting
+        return described
+
+    def _fire_held_reason(self, key: int) -> str | None:
+        """Why job ``key``'s due fire has not happened, when it is held back in the wheel by
+        its tier's ready bound (found by the fifth adversarial pass: a next fire in the past,
+        no run, and nothing said why); None when the tier has room (it fires at the next tick)."""
+        tier = self._profile(key).policy.tier
+        if self._tier_open(tier):
+            return None
+        why = (
+            f"not fired yet: tier {tier!r} holds {self._pending.get(tier, 0)} pending runs, "
+            f"its ready bound; the fire waits for room"
+        )
+        if not any(tier in w.tiers for w in self._workers.values()):
+            why += f" (no worker serves tier {tier!r})"
+        return why
 
     # =============================================================== firing
 
