@@ -33,8 +33,8 @@ state): it reports what happened, with the run's fencing token, and the node's e
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import math
 import os
 import secrets
 import socket
@@ -853,9 +853,12 @@ class WorkerAgent:
                     timeout_ms = None if ticket.on_timeout == "mark" else ticket.timeout_ms
                     outcome, code = "killed", None
                     with trio.CancelScope() as held.scope:  # a kill or a fence cancels it
-                        with trio.move_on_after(
-                            math.inf if timeout_ms is None else timeout_ms / 1000
-                        ) as timer:
+                        timing = (
+                            trio.move_on_after(timeout_ms / 1000)
+                            if timeout_ms is not None
+                            else contextlib.nullcontext()  # no scope per run without a timeout
+                        )
+                        with timing as timer:
                             try:
                                 returned = await self.payload_handler(ticket, handler_output)
                                 outcome, code, complaint = payload_outcome(returned)
@@ -873,7 +876,7 @@ class WorkerAgent:
                                 )
                                 await on_output("stderr", line.encode(errors="replace"))
                                 outcome, code = "failed", None
-                        if timer.cancel_called:  # even if the handler swallowed the cancel
+                        if timer is not None and timer.cancel_called:  # swallowed or not
                             outcome, code = "timed_out", None
                             line = (
                                 f"tickwheel: stopped (timed out after {timeout_ms} ms): "
