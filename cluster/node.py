@@ -262,6 +262,7 @@ class ShardHost:
     snapshots: SnapshotCadence = field(default_factory=SnapshotCadence)  # this shard's cadence
     last_snapshot_mono: float = field(default_factory=time.monotonic)  # ended (or opened)
     last_snapshot_cost_s: float = 0.0  # export and write of the last one
+    last_export_s: float = 0.0  # its export alone (on the event loop)
     batch_seq: dict[int, int] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ commands in
@@ -414,6 +415,7 @@ class ShardHost:
                     self.since_snapshot,
                     (time.monotonic() - self.last_snapshot_mono) * 1_000,
                     self.last_snapshot_cost_s * 1_000,
+                    self.last_export_s * 1_000,
                 )
             ):
                 try:
@@ -576,6 +578,7 @@ class ShardHost:
                 # its cost: the export and the write (the wait for the batch's fsync is not)
                 ended = time.monotonic()
                 self.last_snapshot_cost_s = export_s + (ended - writing)
+                self.last_export_s = export_s
                 self.last_snapshot_mono = ended
                 log.info(
                     "shard %d: snapshot at log position %d stored (%.3f s)",

@@ -14,6 +14,7 @@ cadences = st.builds(
     min_records=st.integers(0, 100_000),
     cost_factor=st.integers(1, 100),
     replay_us_per_record=st.floats(0.1, 1_000),
+    loop_factor=st.integers(1, 1_000),
 )
 
 
@@ -22,16 +23,18 @@ cadences = st.builds(
     st.integers(0, 10**7),
     st.floats(0, 10**6),
     st.floats(0, 10**4),
+    st.floats(0, 10**3),
 )
-def test_due_is_the_three_conditions_together(
-    cadence: SnapshotCadence, tail: int, since_ms: float, cost_ms: float
+def test_due_is_the_four_conditions_together(
+    cadence: SnapshotCadence, tail: int, since_ms: float, cost_ms: float, export_ms: float
 ) -> None:
     model = (
         tail >= cadence.min_records
         and tail * cadence.replay_us_per_record / 1_000 >= cadence.replay_budget_ms
         and since_ms >= cadence.cost_factor * cost_ms
+        and since_ms >= cadence.loop_factor * export_ms
     )
-    assert cadence.due(tail, since_ms, cost_ms) == model
+    assert cadence.due(tail, since_ms, cost_ms, export_ms) == model
 
 
 @given(cadences, st.integers(0, 10**7), st.floats(0, 10**4))
@@ -56,9 +59,13 @@ def test_the_default_replays_at_most_about_a_second_of_tail() -> None:
 
 
 def test_a_costly_snapshot_is_not_repeated_back_to_back() -> None:
-    cadence = SnapshotCadence(cost_factor=10)
+    cadence = SnapshotCadence(cost_factor=10, loop_factor=200)
     assert not cadence.due(1_000_000, 19_999, 2_000)  # the last one took 2 s: wait 20 s
     assert cadence.due(1_000_000, 20_000, 2_000)
+    # 10 million pending: export 130 ms on the event loop, 780 ms in all: every 26 s at most
+    assert not cadence.due(1_000_000, 25_999, 780, 130)
+    assert cadence.due(1_000_000, 26_000, 780, 130)
+    assert cadence.measured(5_000, 1_000).loop_factor == 200  # measuring keeps the rest
 
 
 def test_a_short_tail_measures_nothing() -> None:
@@ -72,6 +79,7 @@ def test_a_short_tail_measures_nothing() -> None:
     "kwargs",
     [
         {"cost_factor": 0},
+        {"loop_factor": 0},
         {"replay_us_per_record": 0},
         {"replay_us_per_record": float("nan")},
         {"replay_budget_ms": -1},
