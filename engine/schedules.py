@@ -111,6 +111,15 @@ _FOLD: Final = 2
 # Durations and instants
 
 
+#: Parsed and rendered durations by text and by value: a node meets few distinct ones ("1h",
+#: "30s") and parses or renders one per every schedule, timeout and backoff of each create,
+#: replayed job and snapshot profile (a fifth of a snapshot's load of `every` jobs). Bounded:
+#: cleared when full. Only valid durations are kept.
+_DURATION_CACHE_LIMIT: Final = 4096
+_PARSED_DURATIONS: dict[str, int] = {}
+_DURATION_TEXTS: dict[int, str] = {}
+
+
 def parse_duration(
     text: object,
     *,
@@ -125,6 +134,10 @@ def parse_duration(
     negative or too long duration, so callers outside schedules (timeouts, backoff) can raise
     their own error class. O(len(text)).
     """
+    if type(text) is str:
+        known = _PARSED_DURATIONS.get(text)
+        if known is not None:
+            return known
     if not isinstance(text, str):
         raise error(
             f"must be a duration string such as '90s' or '1h30m', got {type(text).__name__}",
@@ -145,6 +158,10 @@ def parse_duration(
         raise error(f"duration must be positive, got {text!r}", field=field)
     if total > MAX_DURATION_MS:
         raise error(f"duration {text!r} is longer than 100 years", field=field)
+    if type(text) is str:  # not a str subclass: its own equality could differ
+        if len(_PARSED_DURATIONS) >= _DURATION_CACHE_LIMIT:
+            _PARSED_DURATIONS.clear()
+        _PARSED_DURATIONS[text] = total
     return total
 
 
@@ -153,15 +170,24 @@ def format_duration(ms: int) -> str:
 
     ``parse_duration(format_duration(x)) == x`` for every valid ``x``.
     """
+    known = _DURATION_TEXTS.get(ms)
+    if known is not None:
+        return known
     if ms <= 0:
         raise ValueError(f"duration must be positive, got {ms}")
+    value = ms
     parts: list[str] = []
     for unit in ("d", "h", "m", "s", "ms"):
         size = _DURATION_UNITS[unit]
         amount, ms = divmod(ms, size)
         if amount:
             parts.append(f"{amount}{unit}")
-    return "".join(parts)
+    text = "".join(parts)
+    if type(value) is int:  # a bool or float would share an int's dict slot
+        if len(_DURATION_TEXTS) >= _DURATION_CACHE_LIMIT:
+            _DURATION_TEXTS.clear()
+        _DURATION_TEXTS[value] = text
+    return text
 
 
 def parse_instant(text: object, *, field: str) -> int:
