@@ -194,6 +194,7 @@ class Client:
                 try:
                     with trio.fail_after(timeout_s):
                         await client._open()
+                    client._on_connect_retry = None  # about the first connection only
                 except trio.TooSlowError:
                     why = client.last_connect_error
                     raise ConnectionLost(

@@ -409,6 +409,11 @@ SUBMIT_BATCH = 1000
 SUBMIT_IN_FLIGHT = 4
 SUBMIT_TRIES = 4
 SUBMIT_BATCH_TIMEOUT_S = 30.0
+#: with no answer to any batch for this long, the batches not yet answered give up (a node
+#: that died: else each batch waited its tries x its timeout, minutes for a big file)
+SUBMIT_STALL_S = 30.0
+#: whole-request refusals that say the request was too big or complex: the batch is split
+SUBMIT_SPLIT_CODES = frozenset({"frame_too_large", "frame_too_complex", "container_too_large"})
 #: files from this many specs show a progress bar (on a terminal only)
 SUBMIT_PROGRESS_FROM = 5000
 
@@ -434,6 +439,7 @@ async def submit_lines(
     in_flight: int = SUBMIT_IN_FLIGHT,
     tries: int = SUBMIT_TRIES,
     timeout_s: float = SUBMIT_BATCH_TIMEOUT_S,
+    stall_s: float = SUBMIT_STALL_S,
     on_batch: Callable[[int], None] | None = None,
 ) -> list[SubmitLine]:
     """Create the jobs of ``numbered`` (line number, spec) with ``job.create_many``, and say
@@ -448,9 +454,16 @@ async def submit_lines(
     for an id the file gave, it counts as created only when the stored job is the spec sent
     (:func:`cluster.client.same_spec`, as :meth:`Client.create` decides) and no earlier line
     of the file has that id; otherwise it stays the ``exists`` error. A batch that never got
-    a reply leaves its lines ``unconfirmed``. ``on_batch`` gets each batch's size when it is
-    done. Raises nothing of the client's but what a ``job.get`` check cannot handle."""
-    from cluster.client import RequestTimeout, same_spec
+    a reply leaves its lines ``unconfirmed``; when no batch has been answered for ``stall_s``
+    (the node is gone), the batches not yet answered stop trying, and those never sent say
+    so (they do not exist). A batch too big for one frame (refused before it leaves, or by
+    the node as too large or complex) is split in halves, down to one spec, whose line then
+    carries the refusal; any other refusal of a whole batch is its lines' error. A
+    ``job.get`` check that fails leaves its line ``unconfirmed``. ``on_batch`` gets each
+    batch's size when it is done. Never raises the client's errors: every line says what
+    became of it (found by a review: one oversized batch ended the command with a traceback
+    and no word of the 2,000 jobs the other batches had created)."""
+    from cluster.client import RequestNotSendable, RequestTimeout, same_spec
     from engine.jobs import new_job_id
 
     now = _now_ms()
@@ -465,7 +478,8 @@ async def submit_lines(
             lines.append(SubmitLine(number, {**spec, "id": job_id}, str(job_id), given is None))
         first_line_of.setdefault(lines[-1].job_id, number)
 
-    async def created_before(line: SubmitLine) -> bool:
+    async def created_before(line: SubmitLine) -> bool | None:
+        """Whether this command's earlier attempt created ``line``'s job (None: unknown)."""
         if line.generated:
             return True
         if first_line_of.get(line.job_id) != line.number:
@@ -473,14 +487,27 @@ async def submit_lines(
         try:
             stored = (await client.get(line.job_id)).get("spec")
         except ClientError:
-            return False
+            return None
         return isinstance(stored, dict) and same_spec(line.spec, stored)
 
-    async def send(part: list[SubmitLine]) -> None:
+    answered_at = trio.current_time()  # the last answer to any batch
+
+    def split(part: list[SubmitLine], why: str) -> list[list[SubmitLine]] | None:
+        if len(part) > 1:
+            half = len(part) // 2
+            return [part[:half], part[half:]]
+        part[0].error = why
+        return None
+
+    async def attempt(part: list[SubmitLine]) -> None:
+        nonlocal answered_at
         specs = [line.spec for line in part]
         maybe_sent = False
         failure = ""
         for _try in range(tries):
+            if trio.current_time() - answered_at > stall_s:
+                failure = failure or f"no answer to any batch for {stall_s:g} s"
+                break
             sent_on: list[int] = []
             try:
                 reply = await client.request(
@@ -490,18 +517,45 @@ async def submit_lines(
                 maybe_sent = maybe_sent or bool(sent_on)
                 failure = f"{exc.code}: {exc}"
                 continue
+            except RequestNotSendable as exc:
+                halves = split(part, f"{exc.code}: {exc}")
+                for half in halves or ():
+                    await attempt(half)
+                return
+            except RemoteError as exc:
+                answered_at = trio.current_time()
+                if exc.code in SUBMIT_SPLIT_CODES:
+                    halves = split(part, f"{exc.code}: {exc.message}")
+                    for half in halves or ():
+                        await attempt(half)
+                    return
+                for line in part:  # the whole batch refused: nothing of it was taken
+                    line.error = f"{exc.code}: {exc.message}"
+                return
+            answered_at = trio.current_time()
             maybe_sent = maybe_sent or len(sent_on) > 1
             for line, result in zip(part, reply["results"], strict=True):
                 if result.get("ok"):
                     continue
                 error = result.get("error") or {}
-                if error.get("code") == "exists" and maybe_sent and await created_before(line):
-                    continue  # our own earlier attempt's job, whose reply was lost
+                if error.get("code") == "exists" and maybe_sent:
+                    ours = await created_before(line)
+                    if ours:
+                        continue  # our own earlier attempt's job, whose reply was lost
+                    if ours is None:
+                        line.error = "exists, and whether this command created it is unknown"
+                        line.unconfirmed = True
+                        continue
                 line.error = f"{error.get('code')}: {error.get('message')}"
-            break
-        else:
-            for line in part:
+            return
+        for line in part:
+            if maybe_sent:
                 line.error, line.unconfirmed = failure, True
+            else:
+                line.error = f"not sent ({failure})"  # never left: the job does not exist
+
+    async def send(part: list[SubmitLine]) -> None:
+        await attempt(part)
         if on_batch is not None:
             on_batch(len(part))
 
@@ -556,7 +610,7 @@ async def _submit_file(client: Client, args: argparse.Namespace) -> int:
             message = f"{args.file}:{line.number}: {line.error}"
         err_console.print(escape(message), highlight=False)
     ids = [line.job_id if line.error is None else None for line in lines]
-    summary = f"{len(lines) - failed} jobs created, {failed - unconfirmed} refused"
+    summary = f"{len(lines) - failed} jobs created, {failed - unconfirmed} not created"
     if unconfirmed:
         summary += f", {unconfirmed} unconfirmed"
     emit(args, ids, lambda _v: console.print(summary))

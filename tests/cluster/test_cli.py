@@ -231,7 +231,7 @@ def test_submit_file_refuses_unreadable_files_and_lines_with_their_line_number(
     done = cli(node, "submit", "--file", str(path))
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
     assert f"{path}:5: invalid_schedule" in done.stderr, done.stderr
-    assert "2 jobs created, 1 refused" in done.stdout
+    assert "2 jobs created, 1 not created" in done.stdout
 
 
 def test_create_many_sends_entries_that_are_not_maps_for_the_node_to_refuse(

@@ -201,3 +201,105 @@ def test_a_retried_batch_counts_its_own_jobs_and_refuses_others() -> None:
     created = [line.job_id for line in lines if line.error is None]
     assert len(created) == 48 == len(set(created))
     assert set(fake.jobs) == {*created, "theirs"}  # nothing created twice or under a new id
+
+
+class ScriptedClient(LosingClient):
+    """A :class:`LosingClient` that refuses a request holding more than ``fits`` specs as
+    ``RequestNotSendable`` (or, with ``remote``, as the node's ``frame_too_large``), refuses
+    a spec whose id is ``bad`` with a whole-request ``shard_failed``, and, with ``dead``,
+    answers nothing at all (a node that died: a connection that cannot be made)."""
+
+    def __init__(self, fits: int, *, remote: bool = False, dead: bool = False) -> None:
+        super().__init__(lose=0, existing={})
+        self.fits, self.remote, self.dead = fits, remote, dead
+
+    async def request(
+        self,
+        op: str,
+        args: dict[str, Any],
+        *,
+        timeout_s: float | None = None,
+        sent_on: list[int] | None = None,
+    ) -> Any:
+        from cluster.client import ConnectionLost, RemoteError, RequestNotSendable
+
+        if self.dead:
+            await trio.sleep(0.02)
+            raise ConnectionLost("connection lost (reconnect pending)")
+        if len(args["specs"]) > self.fits:
+            if not self.remote:
+                raise RequestNotSendable("job.create_many: request of 9 MB; the limit is 8")
+            self.requests += 1
+            raise RemoteError("frame_too_large", "frame of 9 MB")
+        if any(spec["id"] == "bad" for spec in args["specs"]):
+            self.requests += 1
+            raise RemoteError("shard_failed", "shard 0 failed")
+        return await super().request(op, args, timeout_s=timeout_s, sent_on=sent_on)
+
+
+@pytest.mark.parametrize("remote", [False, True])
+def test_a_batch_too_big_for_a_frame_is_split_and_a_refused_batch_fails_its_lines(
+    remote: bool,
+) -> None:
+    """Found by a review: one oversized batch ended the command with a traceback, after the
+    other batches had created their jobs, and nothing said which."""
+    spec = {"schedule": FAR, "task": {"shell": "true"}}
+    numbered = [(n, dict(spec)) for n in range(1, 41)]
+    numbered[25] = (26, {**spec, "id": "bad"})
+    fake = ScriptedClient(fits=3, remote=remote)
+    done: list[int] = []
+
+    lines = trio.run(
+        lambda: submit_lines(fake, numbered, batch=10, in_flight=2, on_batch=done.append)  # type: ignore[arg-type]
+    )
+
+    assert sum(done) == 40  # each top-level batch counted once, however it was split
+    failed = {line.number: line.error for line in lines if line.error}
+    # the part holding "bad" (split down to at most 3 specs) was refused whole
+    assert 26 in failed and all(e == "shard_failed: shard 0 failed" for e in failed.values())
+    assert 1 <= len(failed) <= 3
+    created = [line.job_id for line in lines if line.error is None]
+    assert len(created) == 40 - len(failed) and set(created) == set(fake.jobs)
+
+
+def test_a_spec_too_big_alone_is_its_lines_error() -> None:
+    spec = {"schedule": FAR, "task": {"shell": "true"}}
+    fake = ScriptedClient(fits=0)
+    lines = trio.run(lambda: submit_lines(fake, [(1, spec), (2, spec)], batch=10))  # type: ignore[arg-type]
+    assert [line.error for line in lines] == [
+        "not_sendable: job.create_many: request of 9 MB; the limit is 8"
+    ] * 2
+    assert not any(line.unconfirmed for line in lines) and fake.jobs == {}
+
+
+def test_a_node_gone_for_good_ends_the_submit_after_the_stall_limit() -> None:
+    """Found by a review: against a node that died, a 5,000-line file waited 4 minutes in
+    silence (each batch its tries x its timeout), and batches never sent were reported as
+    possibly existing."""
+    spec = {"schedule": FAR, "task": {"shell": "true"}}
+    numbered = [(n, dict(spec)) for n in range(1, 101)]
+    fake = ScriptedClient(fits=1000, dead=True)
+
+    async def main() -> tuple[list[Any], float]:
+        start = trio.current_time()
+        lines = await submit_lines(fake, numbered, batch=10, in_flight=2, stall_s=0.2)  # type: ignore[arg-type]
+        return lines, trio.current_time() - start
+
+    lines, took = trio.run(main)
+    assert took < 5  # not tries x timeout per batch
+    assert all(line.error and line.error.startswith("not sent") for line in lines)
+    assert not any(line.unconfirmed for line in lines)
+
+
+def test_a_failed_check_of_an_existing_job_leaves_its_line_unconfirmed() -> None:
+    spec = {"schedule": FAR, "task": {"shell": "true"}}
+
+    class NoGet(LosingClient):
+        async def get(self, job_id: str) -> dict[str, Any]:
+            from cluster.client import RequestTimeout
+
+            raise RequestTimeout("job.get: no reply")
+
+    fake = NoGet(lose=1, existing={})
+    lines = trio.run(lambda: submit_lines(fake, [(1, {**spec, "id": "given"})]))  # type: ignore[arg-type]
+    assert lines[0].unconfirmed and lines[0].error and "unknown" in lines[0].error
