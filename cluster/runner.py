@@ -51,6 +51,7 @@ __all__ = [
     "TaskNotRunnable",
     "TaskOutcome",
     "container_argv",
+    "container_client_env",
     "container_name",
     "decide_outcome",
     "format_scheduled_at",
@@ -553,7 +554,9 @@ class Guard(Protocol):
     """What :func:`run_task` tells the worker's watchdog (:mod:`cluster.watchdog_link`). Each
     call returns at once, never raises, never waits."""
 
-    def announce(self, marker: tuple[bytes, ...], container: tuple[str, str] | None) -> int: ...
+    def announce(
+        self, marker: tuple[bytes, ...], container: tuple[str, str, str] | None
+    ) -> int: ...
 
     def spawned(self, key: int, pgid: int) -> None: ...
 
@@ -563,6 +566,37 @@ class Guard(Protocol):
 #: The run variables that identify one attempt's processes to the watchdog (by their
 #: environment): the run id and the fencing token, unique per attempt.
 GUARD_MARKER_VARS: Final = ("TICKWHEEL_RUN_ID", "TICKWHEEL_FENCE")
+
+
+#: What a container runtime's client reads from its environment to find its daemon and
+#: settings: the entries the watchdog's ``rm -f`` of a task's container runs with
+CONTAINER_ENV_PREFIXES: Final = ("DOCKER_", "CONTAINER_", "CONTAINERS_", "PODMAN_")
+CONTAINER_ENV_NAMES: Final = frozenset(
+    {"HOME", "PATH", "TMPDIR", "XDG_RUNTIME_DIR", "XDG_CONFIG_HOME", "XDG_DATA_HOME"}
+    | {"REGISTRY_AUTH_FILE"}
+)
+#: at most this many bytes of them (the guard's lines are bounded); beyond, the rest is left
+#: out and the removal runs with the worker's own values for those
+CONTAINER_ENV_MAX: Final = 4096
+
+
+def container_client_env(env: Mapping[str, str]) -> str:
+    """The NUL-joined ``NAME=value`` entries of ``env`` a container runtime's client reads
+    (:data:`CONTAINER_ENV_PREFIXES`, :data:`CONTAINER_ENV_NAMES`), for the watchdog to remove
+    a task's container the way the runner would, against the same daemon (found by a review:
+    a task that set ``DOCKER_HOST`` had its container removal sent to the default daemon).
+    Entries holding NUL are left out; at most :data:`CONTAINER_ENV_MAX` bytes, in name order."""
+    entries: list[str] = []
+    size = 0
+    for name in sorted(env):
+        if name not in CONTAINER_ENV_NAMES and not name.startswith(CONTAINER_ENV_PREFIXES):
+            continue
+        entry = f"{name}={env[name]}"
+        if "\0" in entry or size + len(entry.encode()) + 1 > CONTAINER_ENV_MAX:
+            continue
+        entries.append(entry)
+        size += len(entry.encode()) + 1
+    return "\0".join(entries)
 
 
 def guard_marker(env: Mapping[str, str]) -> tuple[bytes, ...]:
@@ -698,7 +732,11 @@ async def run_task(
         return out.outcome("failed", plan.exit_code, started, reason=plan.message)
     key = -1
     if guard is not None:
-        container = None if plan.container is None else (plan.runtime or "", plan.container)
+        container = (
+            None
+            if plan.container is None
+            else (plan.runtime or "", plan.container, container_client_env(plan.env))
+        )
         key = guard.announce(guard_marker(plan.env), container)
     try:
         proc = await trio.lowlevel.open_process(

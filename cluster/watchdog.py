@@ -11,10 +11,13 @@ So each worker starts one guard (this module, run as a script by :mod:`cluster.w
 whose stdin is a pipe whose write end only the worker holds (non-inheritable, and tasks are
 spawned with ``close_fds``). The worker writes one line per event:
 
-- ``A <key> <marker hex> [<runtime hex> <container hex>]``: a task is about to be spawned.
+- ``A <key> <marker hex> [<runtime hex> <container hex> [<env hex>]]``: a task is about to be
+  spawned.
   ``marker`` is NUL-separated ``NAME=value`` entries of the task's environment that identify
   it (its ``TICKWHEEL_RUN_ID`` and ``TICKWHEEL_FENCE``: unique per attempt); a container task
-  names its runtime and container.
+  names its runtime and container, and the NUL-separated ``NAME=value`` entries of the task's
+  environment its runtime client reads (``DOCKER_HOST`` and the like), which its ``rm -f``
+  needs to reach the same daemon.
 - ``S <key> <pgid>``: it was spawned, leader of process group ``pgid``.
 - ``D <key>``: its group is over (leader reaped, group empty), or its spawn failed.
 
@@ -100,11 +103,12 @@ class MessageError(ValueError):
 @dataclass(frozen=True, slots=True)
 class Announce:
     """A task is about to be spawned: ``marker`` identifies it by its environment entries;
-    ``container`` is ``(runtime, name)`` for a container task."""
+    ``container`` is ``(runtime, name, env)`` for a container task, ``env`` the NUL-joined
+    ``NAME=value`` entries its removal runs with on top of the guard's own environment."""
 
     key: int
     marker: tuple[bytes, ...]
-    container: tuple[str, str] | None = None
+    container: tuple[str, str, str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,15 +129,19 @@ class Done:
 Message = Announce | Spawned | Done
 
 
-def format_announce(key: int, marker: Iterable[bytes], container: tuple[str, str] | None) -> bytes:
+def format_announce(
+    key: int, marker: Iterable[bytes], container: tuple[str, str, str] | None
+) -> bytes:
     """The ``A`` line. Raises ValueError for an empty marker or one holding NUL."""
     entries = tuple(marker)
     if not entries or any(not e or b"\0" in e for e in entries):
         raise ValueError("a marker is one or more non-empty entries without NUL")
     line = b"A %d %s" % (key, b"\0".join(entries).hex().encode())
     if container is not None:
-        runtime, name = container
+        runtime, name, env = container
         line += b" %s %s" % (runtime.encode().hex().encode(), name.encode().hex().encode())
+        if env:
+            line += b" %s" % env.encode().hex().encode()
     return line + b"\n"
 
 
@@ -152,17 +160,18 @@ def parse_line(line: bytes) -> Message:
         kind, key = parts[0], int(parts[1])
         if key < 0:
             raise ValueError(key)
-        if kind == b"A" and len(parts) in (3, 5):
+        if kind == b"A" and len(parts) in (3, 5, 6):
             marker = tuple(bytes.fromhex(parts[2].decode("ascii")).split(b"\0"))
             if not all(marker):
                 raise ValueError("empty marker entry")
             container = None
-            if len(parts) == 5:
+            if len(parts) >= 5:
                 runtime = bytes.fromhex(parts[3].decode("ascii")).decode()
                 name = bytes.fromhex(parts[4].decode("ascii")).decode()
+                env = bytes.fromhex(parts[5].decode("ascii")).decode() if len(parts) == 6 else ""
                 if not runtime or not name:
                     raise ValueError("empty container")
-                container = (runtime, name)
+                container = (runtime, name, env)
             return Announce(key, marker, container)
         if kind == b"S" and len(parts) == 3:
             pgid = int(parts[2])
@@ -187,7 +196,7 @@ class Doom:
 
     groups: Mapping[int, int | None]
     markers: tuple[tuple[bytes, ...], ...]
-    containers: tuple[tuple[str, str], ...]
+    containers: tuple[tuple[str, str, str], ...]
 
     def __bool__(self) -> bool:
         return bool(self.groups or self.markers or self.containers)
@@ -196,7 +205,7 @@ class Doom:
 @dataclass
 class _Task:
     marker: tuple[bytes, ...]
-    container: tuple[str, str] | None
+    container: tuple[str, str, str] | None
     pgid: int | None = None  # None: announced, not registered yet
     start: int | None = None  # the leader's start time, when known
 
@@ -229,7 +238,7 @@ class Watch:
         every container (a SIGKILLed runtime client leaves its container running)."""
         groups: dict[int, int | None] = {}
         markers: list[tuple[bytes, ...]] = []
-        containers: list[tuple[str, str]] = []
+        containers: list[tuple[str, str, str]] = []
         for task in self.tasks.values():
             if task.pgid is None:
                 markers.append(task.marker)
@@ -364,7 +373,10 @@ def _kill(doom: Doom, worker: int) -> None:
                     except (ProcessLookupError, PermissionError):
                         pass
     rms = []
-    for runtime, name in doom.containers:
+    for runtime, name, env in doom.containers:
+        # The task's runtime settings (DOCKER_HOST...) on top of ours, as the runner's own
+        # removal runs with the task's environment: else another daemon would be asked.
+        extra = dict(entry.split("=", 1) for entry in env.split("\0") if "=" in entry)
         try:
             rms.append(
                 subprocess.Popen(
@@ -372,6 +384,7 @@ def _kill(doom: Doom, worker: int) -> None:
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.DEVNULL,
                     stderr=subprocess.DEVNULL,
+                    env={**os.environ, **extra},
                 )
             )
         except OSError as exc:

@@ -75,7 +75,7 @@ class WatchdogLink:
 
     # ------------------------------------------------------------------ the runner's calls
 
-    def announce(self, marker: tuple[bytes, ...], container: tuple[str, str] | None) -> int:
+    def announce(self, marker: tuple[bytes, ...], container: tuple[str, str, str] | None) -> int:
         """A task is about to be spawned (its environment holds ``marker``): returns its key.
         The line is in the pipe before the fork, so a worker that dies during the spawn still
         leaves the guard able to find the task."""

@@ -728,18 +728,23 @@ class WorkerAgent:
 
     def _on_push(self, message: dict[str, Any]) -> None:
         """A push from the node, in the order they came (called by the client's reader)."""
+        kind = message.get("push")
         opening = self._opening_hello
-        if opening is not None and opening[0] == self.client.generation:
-            # A push on a connection opened by a hello was made after the node took that
-            # hello (only a hello binds a worker to a connection), so the node's lease for
-            # this worker runs from no earlier than when it left: an acknowledgement, which
-            # the hello's own answer may follow (it waits for a durable batch; dispatches
-            # do not). Without it, after an outage longer than the lease, the stale fence
-            # deadline killed the runs the node had just handed out (the fifth adversarial
-            # pass: at-most-once ones became LOST, at-least-once ones ran again).
+        if (
+            opening is not None
+            and opening[0] == self.client.generation
+            and kind in ("dispatch", "kill")
+        ):
+            # A dispatch or kill on a connection opened by a hello was made after the node
+            # took that hello (only a hello binds a worker to a connection), so the node's
+            # lease for this worker runs from no earlier than when it left: an
+            # acknowledgement, which the hello's own answer may follow (the shards work the
+            # hello through, dispatching, before the node writes its answer). Without it,
+            # after an outage longer than the lease, the stale fence deadline killed the runs
+            # the node had just handed out (the fifth adversarial pass: at-most-once ones
+            # became LOST, at-least-once ones ran again).
             self._opening_hello = None
             self._acked(opening[1])
-        kind = message.get("push")
         if kind == "dispatch":
             shard, seq = message.get("shard"), message.get("seq", 0)
             if type(shard) is int and type(seq) is int and seq > self.seen.get(shard, 0):

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cluster.client import Client
-from cluster.runner import _group_alive, guard_marker
+from cluster.runner import _group_alive, container_client_env, guard_marker
 from cluster.watchdog import (
     Announce,
     Done,
@@ -47,9 +47,11 @@ MARKER = (b"TICKWHEEL_RUN_ID=j@1", b"TICKWHEEL_FENCE=7")
 
 
 def test_lines_round_trip() -> None:
-    box = ("/usr/bin/docker", "tickwheel-j-abc")
+    box = ("/usr/bin/docker", "tickwheel-j-abc", "")
+    with_env = ("docker", "tickwheel-j-abc", "DOCKER_HOST=tcp://h:2375\0HOME=/home/x y")
     assert parse_line(format_announce(3, MARKER, None)[:-1]) == Announce(3, MARKER)
     assert parse_line(format_announce(4, MARKER, box)[:-1]) == Announce(4, MARKER, box)
+    assert parse_line(format_announce(4, MARKER, with_env)[:-1]) == Announce(4, MARKER, with_env)
     assert parse_line(format_spawned(5, 1234)[:-1]) == Spawned(5, 1234)
     assert parse_line(format_done(5)[:-1]) == Done(5)
     # a run id with spaces or newlines cannot break a line: the marker goes as hex
@@ -128,7 +130,7 @@ def test_watch_follows_a_simple_model(ops: list[tuple[str, int, int, bool]]) -> 
     watch = Watch()
     model: dict[int, tuple[int | None, bool]] = {}
     for kind, key, pgid, boxed in ops:
-        box = ("docker", f"c{key}") if boxed else None
+        box = ("docker", f"c{key}", "") if boxed else None
         if kind == "A":
             line = format_announce(key, (b"R=%d" % key, b"F=1"), box)
             model[key] = (None, boxed)
@@ -405,7 +407,7 @@ class _Recorder:
     def __init__(self) -> None:
         self.calls: list[tuple[Any, ...]] = []
 
-    def announce(self, marker: tuple[bytes, ...], container: tuple[str, str] | None) -> int:
+    def announce(self, marker: tuple[bytes, ...], container: tuple[str, str, str] | None) -> int:
         self.calls.append(("announce", marker, container))
         return 41
 
@@ -461,3 +463,43 @@ def test_a_stopped_task_is_unregistered_and_so_is_one_that_never_started() -> No
     outcome, guard = _run_guarded({"command": ["/nonexistent/program"]})
     assert outcome.exit_code == 127
     assert [c[0] for c in guard.calls] == ["announce", "done"]
+
+
+def test_the_guard_removes_a_container_with_the_tasks_runtime_settings(
+    guard: Any, tmp_path: Path
+) -> None:
+    """Found by a review: the guard's ``rm -f`` ran with the worker's environment, so a task
+    that set ``DOCKER_HOST`` had its container removal sent to another daemon."""
+    proc, pipe = guard
+    seen = tmp_path / "rm.txt"
+    fake = tmp_path / "docker"
+    fake.write_text(f'#!/bin/sh\necho "$DOCKER_HOST $*" >> {seen}\n')
+    fake.chmod(0o755)
+    env = container_client_env(
+        {"DOCKER_HOST": "tcp://10.0.0.9:2375", "OTHER": "x", "TICKWHEEL_RUN_ID": "j@1"}
+    )
+    assert env == "DOCKER_HOST=tcp://10.0.0.9:2375"
+    pipe.write(format_announce(1, MARKER, (str(fake), "tickwheel-j-1", env)))
+    pipe.write(format_spawned(1, 999_999))  # its runtime client is gone: the container stays
+    pipe.close()
+    assert proc.wait(20) == 0
+    assert seen.read_text() == "tcp://10.0.0.9:2375 rm -f tickwheel-j-1\n"
+
+
+def test_container_client_env_keeps_what_a_runtime_reads_within_its_bound() -> None:
+    env = {
+        "DOCKER_CONFIG": "/c",
+        "PODMAN_X": "1",
+        "CONTAINER_HOST": "unix:///s",
+        "HOME": "/h",
+        "PATH": "/bin",
+        "SECRET": "no",
+        "DOCKER_BIG": "x" * 5000,
+    }
+    assert container_client_env(env).split("\0") == [
+        "CONTAINER_HOST=unix:///s",
+        "DOCKER_CONFIG=/c",
+        "HOME=/h",
+        "PATH=/bin",
+        "PODMAN_X=1",
+    ]  # DOCKER_BIG left out: over the bound
