@@ -828,7 +828,15 @@ class WorkerAgent:
         async def on_output(stream: str, data: bytes) -> None:
             nonlocal sent
             offset, sent = sent, sent + len(data)
-            await self._send_output(ticket, stream, data, offset)
+            try:
+                await self._send_output(ticket, stream, data, offset)
+            except trio.Cancelled:
+                # The agent is ending (its stop's bounds are over) with a chunk not yet taken
+                # by the node (it may be down): said here, since the run's log cannot say it.
+                log.warning(
+                    "%s: output from byte %d on not delivered (the worker is ending)", rid, offset
+                )
+                raise
 
         # The start report goes with the reporter's next pass, if the task still runs then:
         # the task does not wait for it, and a task that ends in its first step (an instant
