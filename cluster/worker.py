@@ -831,11 +831,10 @@ class WorkerAgent:
             try:
                 await self._send_output(ticket, stream, data, offset)
             except trio.Cancelled:
-                # The agent is ending (its stop's bounds are over) with a chunk not yet taken
-                # by the node (it may be down): said here, since the run's log cannot say it.
-                log.warning(
-                    "%s: output from byte %d on not delivered (the worker is ending)", rid, offset
-                )
+                # A chunk the node has not taken yet (it may be down) is given up: the agent
+                # is ending (its stop's bounds are over), or a stopped payload handler was
+                # sending it. Said here, since the run's log cannot say it.
+                log.warning("%s: output from byte %d on not delivered (cancelled)", rid, offset)
                 raise
 
         # The start report goes with the reporter's next pass, if the task still runs then:
