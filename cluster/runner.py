@@ -16,12 +16,16 @@ the call, apart from one that left its process group on purpose (``setsid``).
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import re
+import select
 import shutil
 import signal
+import struct
 import subprocess
+import termios
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -68,8 +72,10 @@ __all__ = [
 
 #: The largest piece of output handed to ``on_output`` at once (per read of a pipe).
 CHUNK_BYTES: Final = 64 * 1024
-#: How long output is still read after the task's process group is gone. A process that left
-#: the group (``setsid``) may hold the pipes open forever; we stop reading it after this.
+#: How long the pipes' end is waited for after the task's process group is gone. A process
+#: that left the group (``setsid``) may hold the pipes open forever; we stop reading them after
+#: this. It bounds only that wait: what the group wrote is read, and what was read delivered,
+#: however long that takes.
 DRAIN_S: Final = 2.0
 #: Container runtimes in the order auto-detection tries them.
 CONTAINER_RUNTIMES: Final = ("docker", "podman")
@@ -691,8 +697,11 @@ async def run_task(
     SIGTERM to the whole group; once the main process and every other member have exited, or
     after ``kill_grace_s``, SIGKILL to the group. When the main process ends on its own, any
     member of its group still running gets the same sequence (nothing the task started in its
-    group outlives the run). Output is then read for at most ``drain_s`` more (a process that
-    left the group may keep the pipes open). For a container task that was stopped, the
+    group outlives the run). Everything the group wrote is then read and handed to
+    ``on_output``, however long ``on_output`` takes (the call returns only once it has taken
+    the last chunk); the pipes' end is waited for at most ``drain_s`` more (a process that left
+    the group may keep them open), and if it does not come, a ``tickwheel:`` notice on stderr
+    says that reading stopped. For a container task that was stopped, the
     container is also removed (``<runtime> rm -f NAME``), since a SIGKILLed runtime client
     leaves its container running.
 
@@ -817,6 +826,91 @@ class _Output:
         )
 
 
+class _Pipe:
+    """One output pipe of a task, read in chunks that go to ``on_output`` (:class:`_Output`).
+
+    Reading and delivering are kept apart: :meth:`cut` (the drain's deadline) cancels only a
+    wait for more data, never a chunk being delivered, and never before the bytes that were
+    in the pipe when the task's group ended (:meth:`group_ended`) are read and delivered too.
+    So output the group wrote is never dropped, however long ``on_output`` takes (a worker
+    whose node is down retries until the node has the chunk). What a process that left the
+    group writes after that may be: ``eof`` stays False when reading stopped before the
+    pipe's end."""
+
+    __slots__ = ("_cut", "_owed", "_wait", "eof", "name", "stream")
+
+    def __init__(self, stream: trio.abc.ReceiveStream, name: str) -> None:
+        self.stream = stream
+        self.name = name
+        #: the pipe's end was read (every writer closed it)
+        self.eof = False
+        #: bytes in the pipe when the group ended not read since (None: it has not ended)
+        self._owed: int | None = None
+        self._cut = False
+        self._wait: trio.CancelScope | None = None  # the wait for data under way, if any
+
+    def group_ended(self) -> None:
+        """The task's group has ended: every byte it wrote is in the pipe now, and is owed."""
+        self._owed = _pipe_pending(self.stream) or 0
+
+    def cut(self) -> None:
+        """Stop reading once what is owed is read: a wait for more data is cancelled."""
+        self._cut = True
+        if self._done() and self._wait is not None:
+            self._wait.cancel()
+
+    def _done(self) -> bool:
+        return self._cut and (self._owed or 0) <= 0
+
+    async def pump(self, out: _Output, chunk_bytes: int) -> None:
+        """Read to the pipe's end or the cut, each chunk delivered before the next read."""
+        while not self._done():
+            with trio.CancelScope() as wait:
+                self._wait = wait
+                # A cancelled receive_some has taken nothing from the pipe (it waits for
+                # readiness before it reads), so the cut never loses a byte read.
+                data = await self.stream.receive_some(chunk_bytes)
+            self._wait = None
+            if wait.cancelled_caught:
+                break
+            if not data:
+                self.eof = True
+                return
+            if self._owed is not None:
+                self._owed -= len(data)
+            # Pipes hand out bytes already; the conversion is for the interface's bytearray.
+            await out.send(self.name, data if isinstance(data, bytes) else bytes(data))
+        # Cut: the pipe may well be at its end already (read to the last owed byte, or ended
+        # just as the wait was cancelled); only a pipe still open counts as held open.
+        self.eof = _pipe_ended(self.stream)
+
+
+def _pipe_ended(stream: trio.abc.ReceiveStream) -> bool:
+    """Whether the pipe behind ``stream`` is at its end now (readable with nothing in it: every
+    writer closed it), without waiting and without reading. False when it cannot be told."""
+    fileno = getattr(stream, "fileno", None)
+    if fileno is None:
+        return False
+    try:
+        readable, _, _ = select.select([fileno()], [], [], 0)
+    except (OSError, ValueError):
+        return False
+    return bool(readable) and _pipe_pending(stream) == 0
+
+
+def _pipe_pending(stream: trio.abc.ReceiveStream) -> int | None:
+    """Bytes waiting in the pipe behind ``stream`` (``FIONREAD``); None when it cannot be
+    told."""
+    fileno = getattr(stream, "fileno", None)
+    if fileno is None:
+        return None
+    try:
+        got = fcntl.ioctl(fileno(), termios.FIONREAD, b"\0\0\0\0")
+    except (OSError, ValueError):
+        return None
+    return int(struct.unpack("i", got)[0])
+
+
 async def _supervise(
     proc: trio.Process,
     plan: Launch,
@@ -835,25 +929,24 @@ async def _supervise(
     readers_done = trio.Event()
     stop: Stop | None = None
     sigkill = False
+    pipes = (_Pipe(stdout, "stdout"), _Pipe(stderr, "stderr"))
 
     # An exception from on_output (or a pipe) is kept here and re-raised as itself, not
     # wrapped in the ExceptionGroups of our internal nurseries, which callers cannot see.
     failures: list[Exception] = []
     body = trio.CancelScope()
 
-    async def pump(stream: trio.abc.ReceiveStream, name: str) -> None:
+    async def pump(pipe: _Pipe) -> None:
         try:
-            while data := await stream.receive_some(chunk_bytes):
-                # Pipes hand out bytes already; the conversion is for the interface's bytearray.
-                await out.send(name, data if isinstance(data, bytes) else bytes(data))
+            await pipe.pump(out, chunk_bytes)
         except Exception as exc:
             failures.append(exc)
             body.cancel()
 
     async def read_all() -> None:
         async with trio.open_nursery() as readers:
-            readers.start_soon(pump, stdout, "stdout")
-            readers.start_soon(pump, stderr, "stderr")
+            for pipe in pipes:
+                readers.start_soon(pump, pipe)
         readers_done.set()
 
     try:
@@ -867,11 +960,27 @@ async def _supervise(
                 # The group is over (leader reaped, no member left): the guard forgets it
                 # now, not after the drain, so its id is never held past its reuse.
                 reaped()
+                # Everything the group wrote is in the pipes now: that much is read whatever
+                # the drain, and what was read is delivered however long on_output takes (it
+                # may be waiting out a node's outage). The drain bounds only the wait for the
+                # pipes' end, which a process that left the group can put off for ever.
+                for pipe in pipes:
+                    pipe.group_ended()
                 with trio.move_on_after(drain_s):
                     await readers_done.wait()
-                nursery.cancel_scope.cancel()
+                for pipe in pipes:
+                    pipe.cut()
+                await readers_done.wait()
         if failures:
             raise failures[0]
+        held_open = [pipe.name for pipe in pipes if not pipe.eof]
+        if held_open:
+            # Not silent: what such a process writes from now on is not read.
+            await out.notice(
+                f"stopped reading {' and '.join(held_open)} {drain_s:g} s after the task "
+                "ended: a process that left its process group still holds "
+                f"{'them' if len(held_open) > 1 else 'it'} open"
+            )
         if stop is not None:
             if plan.container is not None:
                 with trio.CancelScope(shield=True):

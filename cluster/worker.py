@@ -833,7 +833,14 @@ class WorkerAgent:
         async def on_output(stream: str, data: bytes) -> None:
             nonlocal sent
             offset, sent = sent, sent + len(data)
-            await self._send_output(ticket, stream, data, offset)
+            try:
+                await self._send_output(ticket, stream, data, offset)
+            except trio.Cancelled:
+                # A chunk the node has not taken yet (it may be down) is given up: the agent
+                # is ending (its stop's bounds are over), or a stopped payload handler was
+                # sending it. Said here, since the run's log cannot say it.
+                log.warning("%s: output from byte %d on not delivered (cancelled)", rid, offset)
+                raise
 
         # The start report goes with the reporter's next pass, if the task still runs then:
         # the task does not wait for it, and a task that ends in its first step (an instant

@@ -353,3 +353,41 @@ def test_a_crash_restart_replays_a_bounded_log_tail(tmp_path: Path) -> None:
         assert sum(map(int, pending)) == jobs  # every acknowledged create is there
     finally:
         node.kill()
+
+
+def test_output_a_task_writes_while_the_node_is_down_reaches_its_logs(tmp_path: Path) -> None:
+    """A task that prints while the node is down and ends before it is back: every line is in
+    its logs once, in order (found by the sixth review: the worker's reader was blocked
+    delivering a chunk across the outage, the drain after the task's end cancelled it, and the
+    rest of the pipe was never read, with no word of it anywhere).
+
+    The outage lasts past the task's end and past the runner's drain (``DRAIN_S``); the lease
+    (20 s) is long enough that the worker does not fence itself meanwhile."""
+    from cluster.runner import DRAIN_S
+
+    data, marks = tmp_path / "data", tmp_path / "marks"
+    marks.mkdir()
+    lines = 40
+    node = NodeProc(data, tmp_path / "node.log", lease="20s")
+    worker = WorkerProc(node.port, tmp_path / "worker.log", slots=1)
+    script = (
+        f"touch {marks}/started; "
+        f"for i in $(seq 1 {lines}); do echo line$i; sleep 0.05; done; touch {marks}/ended"
+    )
+    try:
+        create(node.port, {"id": "talker", "schedule": in_s(1), "task": {"shell": script}})
+        wait_until(lambda: (marks / "started").exists())
+        time.sleep(0.5)  # some lines reach the node, the rest is written while it is down
+        assert not (marks / "ended").exists()
+        node.kill()
+        wait_until(lambda: (marks / "ended").exists())
+        time.sleep(DRAIN_S + 1)  # the drain after the task's end passes while the node is down
+        node = NodeProc(data, tmp_path / "node2.log", port=node.port, lease="20s")
+        runs = wait_until(lambda: settled(node.port, ["talker"]), timeout=60)["talker"]
+        assert [(r["state"], r["attempt"]) for r in runs] == [("SUCCESS", 1)]
+        logs = cli(node.port, "logs", runs[0]["run_id"])
+        assert logs.returncode == 0, logs.stderr
+        assert logs.stdout.split() == [f"line{i}" for i in range(1, lines + 1)]
+    finally:
+        worker.terminate()
+        node.kill()

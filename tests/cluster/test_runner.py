@@ -494,6 +494,29 @@ class TestOutput:
         assert outcome.outcome == "success"
         assert outcome.stdout_bytes == outcome.stderr_bytes == 24
 
+    def test_a_slow_on_output_past_the_drain_loses_nothing(self) -> None:
+        """on_output may take longer than the drain (a worker waiting out its node's outage):
+        what the task wrote is delivered all the same, the pipes read to their end (the sixth
+        review found the drain cancelling the chunk in delivery and the rest of the pipe)."""
+        chunks: list[tuple[str, bytes]] = []
+
+        async def slow(stream: str, data: bytes) -> None:
+            if not chunks:
+                await trio.sleep(0.5)  # ten drains: the task has long ended meanwhile
+            chunks.append((stream, data))
+
+        script = "for i in $(seq 1 200); do echo o$i; echo e$i >&2; done"
+        outcome, _ = run(ticket({"shell": script}), sink=slow, chunk_bytes=64, drain_s=0.05)
+        assert outcome.outcome == "success"
+        for stream, mark in (("stdout", "o"), ("stderr", "e")):
+            text = b"".join(d for s, d in chunks if s == stream).decode()
+            assert text.split() == [f"{mark}{i}" for i in range(1, 201)]
+        assert (
+            outcome.stdout_bytes
+            == outcome.stderr_bytes
+            == sum(len(f"o{i}\n") for i in range(1, 201))
+        )
+
     def test_on_output_raising_kills_the_task_and_propagates(self, tmp_path: Path) -> None:
         pidfile = tmp_path / "pid"
 
@@ -580,7 +603,40 @@ class TestLeftovers:
             outcome, out = run(ticket({"shell": script}), drain_s=0.3)
             assert outcome.outcome == "success"
             assert out.text("stdout") == "done\n"
+            # Not silent: the log says that reading stopped before the pipes' end.
+            assert out.text("stderr") == (
+                "tickwheel: stopped reading stdout and stderr 0.3 s after the task ended: "
+                "a process that left its process group still holds them open\n"
+            )
             assert outcome.duration_s < 2
+        finally:
+            if pidfile.exists():
+                os.kill(int(pidfile.read_text()), signal.SIGKILL)
+
+    def test_what_the_group_wrote_is_read_even_when_the_drain_ends_first(
+        self, tmp_path: Path
+    ) -> None:
+        """A process that left the group holds the pipes, and on_output is slower than the
+        drain: what the group wrote before it ended (still in the pipe at the drain's end) is
+        read and delivered, then reading stops."""
+        pidfile = tmp_path / "pid"
+        delivered = Collected()
+
+        async def slow(stream: str, data: bytes) -> None:
+            if not delivered.chunks:
+                await trio.sleep(0.5)
+            await delivered(stream, data)
+
+        script = (
+            f"setsid sh -c 'echo $$ > {pidfile}; exec sleep 30' & "
+            f"while [ ! -s {pidfile} ]; do sleep 0.01; done; "
+            "for i in $(seq 1 300); do echo line$i; done"
+        )
+        try:
+            outcome, _ = run(ticket({"shell": script}), sink=slow, chunk_bytes=64, drain_s=0.05)
+            assert outcome.outcome == "success"
+            assert delivered.text("stdout").split() == [f"line{i}" for i in range(1, 301)]
+            assert "tickwheel: stopped reading stdout and stderr" in delivered.text("stderr")
         finally:
             if pidfile.exists():
                 os.kill(int(pidfile.read_text()), signal.SIGKILL)
