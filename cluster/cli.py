@@ -121,6 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
         options.add_connect(p)
         if action == "update":
             options.add_spec_options(p, update=True)
+            p.add_argument(
+                "--if-version",
+                type=options.positive_int,
+                default=None,
+                help="only if the job is at this version (else: conflict, nothing changed)",
+            )
         if action == "cancel":
             p.add_argument("--stop-running", action="store_true", help="also stop its runs")
         if action == "preview":

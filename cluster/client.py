@@ -507,10 +507,17 @@ class Client:
         result = await self.request("job.create_many", {"specs": specs})
         return list(result["results"])
 
-    async def update(self, job_id: str, changes: dict[str, Any]) -> dict[str, Any]:
-        result: dict[str, Any] = await self.request(
-            "job.update", {"id": job_id, "changes": changes}
-        )
+    async def update(
+        self, job_id: str, changes: dict[str, Any], *, if_version: int | None = None
+    ) -> dict[str, Any]:
+        """Merge ``changes`` into the job (a new version). Concurrent updates of one job each
+        count (the node merges into the current version). With ``if_version``, only if that
+        is the job's current version: else :class:`RemoteError` ``conflict``, nothing
+        changed (read the job again and redo the change)."""
+        args: dict[str, Any] = {"id": job_id, "changes": changes}
+        if if_version is not None:
+            args["if_version"] = if_version
+        result: dict[str, Any] = await self.request("job.update", args)
         return result
 
     async def cancel(self, job_id: str, *, stop_running: bool = False) -> dict[str, Any]:

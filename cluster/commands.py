@@ -648,20 +648,30 @@ async def cmd_job(client: Client, args: argparse.Namespace) -> int:
 
 async def _update(client: Client, args: argparse.Namespace) -> dict[str, Any]:
     """``job update``: a schedule or task change is completed from the job as it is (see
-    :func:`merge_update`), which takes two requests, a ``job.get`` then the ``job.update``.
-    ``job.update`` has no expected-version argument, so another update landing between the two
-    is not prevented; it is detected (the version did not grow by exactly one) and reported on
-    stderr, the update having been applied over it. Notes go to stderr, so that ``--json``
-    output stays one JSON object."""
+    :func:`merge_update`), which takes two requests, a ``job.get`` then the ``job.update``
+    with ``if_version`` of what was read, so another update landing between the two is not
+    overwritten: the node answers ``conflict`` and nothing changes (run the command again).
+    ``--if-version N`` asks the same of the user's own version. Notes go to stderr, so that
+    ``--json`` output stays one JSON object."""
     changes = spec_from_args(args, update=True)
     current: dict[str, Any] | None = None
     notes: list[str] = []
     if "schedule" in changes or "task" in changes:
         current = await client.get(args.id)
         changes, notes = merge_update(args.id, current, changes)
+    if_version = args.if_version
+    if current is not None and if_version is None:
+        if_version = int(current["version"])
     try:
-        result = await client.update(args.id, changes)
+        result = await client.update(args.id, changes, if_version=if_version)
     except RemoteError as exc:
+        if exc.code == "conflict" and args.if_version is None:
+            raise RemoteError(
+                exc.code,
+                f"{exc.message}: the job changed while this update was made from it; run "
+                "the command again",
+                exc.field,
+            ) from None
         kept = changes.get("schedule", {})
         field = (exc.field or "").removeprefix("schedule.")
         if current is not None and field in kept and field not in _given_schedule_fields(args):
@@ -673,13 +683,6 @@ async def _update(client: Client, args: argparse.Namespace) -> dict[str, Any]:
         raise
     for note in notes:
         err_console.print(f"note: {escape(note)}")
-    if current is not None and result.get("version") != current.get("version", 0) + 1:
-        err_console.print(
-            f"[yellow]warning[/yellow] job {escape(args.id)} changed between reading it "
-            f"(version {current.get('version')}) and this update (now version "
-            f"{result.get('version')}): the update was applied over the other change; "
-            f"check it with job get {escape(args.id)}"
-        )
     return result
 
 

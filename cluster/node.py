@@ -84,7 +84,7 @@ from engine.effects import (
     UpdateJob,
     WorkerHello,
 )
-from engine.errors import EngineError, JobNotFound, RunNotFound
+from engine.errors import EngineError, JobNotFound, RunNotFound, VersionConflict
 from engine.jobs import JobSpec, apply_update, new_job_id, validate_job, validate_job_id
 from engine.records import Record
 from engine.routing import shard_of, shard_of_run
@@ -124,6 +124,10 @@ CREATE_MANY_CHUNK = 256
 TURN_COMMANDS = 512
 #: runs out with workers whose shard the node remembers (beyond: computed from the run id)
 MAX_REMEMBERED_RUNS = 1_000_000
+#: how long a partial update keeps merging into newer versions of its job before it gives
+#: up with ``conflict``, and the wait between tries (a newer version is being made durable)
+UPDATE_MERGE_S = 10.0
+UPDATE_RETRY_S = 0.005
 #: the collector's thresholds of a node that owns its process (see Node.run)
 NODE_GC_THRESHOLDS: Final = (10_000, 20, 100)
 
@@ -1352,15 +1356,45 @@ class Node:
         return {"results": results}
 
     async def _update(self, conn: Connection, args: dict[str, Any]) -> Any:
+        """A partial update, merged into the job's stored spec and applied only if that is
+        still the job's current version (the engine checks): else it is merged again into the
+        newer one. Two updates of one job in flight together both count (found by me: each
+        merged into the same stored spec, and the second undid the first's change). With
+        ``if_version`` the caller's own version must be current, or ``conflict``."""
         job_id = validate_job_id(args["id"])
+        if_version = args.get("if_version")
+        if if_version is not None and if_version < 1:
+            raise BadArgs("if_version: must be >= 1", None, "if_version")
         host = self.host_of(job_id)
-        stored = host.store.job(job_id)
-        if stored is None:
-            raise JobNotFound(f"no job {job_id!r}", field="id")
-        current = validate_job(stored.spec, now_ms=wall_ms())
-        spec = apply_update(current, args["changes"], now_ms=wall_ms())
-        reply = await host.request(lambda rid: UpdateJob(rid, spec))
-        return _job_result(_unwrap(reply))
+        deadline = trio.current_time() + UPDATE_MERGE_S
+        while True:
+            stored = host.store.job(job_id)
+            if stored is None:
+                raise JobNotFound(f"no job {job_id!r}", field="id")
+            base = stored.version
+            if if_version is not None and base > if_version:
+                raise VersionConflict(
+                    f"job {job_id!r} is at version {base}, not {if_version}",
+                    field="if_version",
+                )
+            if if_version is None or base == if_version:
+                current = validate_job(stored.spec, now_ms=wall_ms())
+                spec = apply_update(current, args["changes"], now_ms=wall_ms())
+                reply = await host.request(partial(UpdateJob, spec=spec, expected_version=base))
+                if (
+                    not isinstance(reply.error, VersionConflict)
+                    or if_version is not None  # the caller's version is not current
+                    or trio.current_time() > deadline
+                ):
+                    return _job_result(_unwrap(reply))
+            elif trio.current_time() > deadline:  # the store never reached if_version
+                raise VersionConflict(
+                    f"job {job_id!r} is at version {base}, not {if_version}",
+                    field="if_version",
+                )
+            # A newer version is on its way to the disk (the store has only durable ones):
+            # merge into it once it is there.
+            await trio.sleep(UPDATE_RETRY_S)
 
     async def _cancel(self, conn: Connection, args: dict[str, Any]) -> Any:
         job_id = validate_job_id(args["id"])

@@ -35,7 +35,7 @@ OPS: Final[dict[str, ArgSpec]] = {
     # ---- jobs
     "job.create": {"spec": (_MAP, True)},
     "job.create_many": {"specs": (_LIST, True)},
-    "job.update": {"id": (_STR, True), "changes": (_MAP, True)},
+    "job.update": {"id": (_STR, True), "changes": (_MAP, True), "if_version": (_INT, False)},
     "job.cancel": {"id": (_STR, True), "stop_running": (_BOOL, False)},
     "job.pause": {"id": (_STR, True)},
     "job.resume": {"id": (_STR, True)},

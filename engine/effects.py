@@ -38,6 +38,9 @@ class CreateJobs:
 class UpdateJob:
     request_id: int
     spec: JobSpec  # the complete new spec (the driver merges a partial update first)
+    #: refused with VersionConflict unless the job's current version is this one: the
+    #: version the driver merged the partial update into (None: no check)
+    expected_version: int | None = None
 
 
 @dataclass(frozen=True)

@@ -107,3 +107,10 @@ class JobExists(EngineUsageError):
     """A create for an id that exists, without ``replace``."""
 
     code = "exists"
+
+
+class VersionConflict(EngineUsageError):
+    """An update made against a version of the job that is no longer its current one
+    (``UpdateJob.expected_version``): nothing changed. The caller reads the job again."""
+
+    code = "conflict"

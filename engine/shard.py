@@ -85,6 +85,7 @@ from engine.errors import (
     JobNotFound,
     StaleEpoch,
     TimeWentBackwards,
+    VersionConflict,
 )
 from engine.jobs import (
     POLICY_KEYS,
@@ -1422,6 +1423,14 @@ class ShardEngine:
         return self._directory.has_run(key, at)
 
     def _update(self, cmd: UpdateJob) -> None:
+        if cmd.expected_version is not None:
+            current = self._ver[self._job_key(cmd.spec.id)]
+            if current != cmd.expected_version:
+                raise VersionConflict(
+                    f"job {cmd.spec.id!r} is at version {current}, not "
+                    f"{cmd.expected_version}: read it again and redo the update",
+                    field="if_version",
+                )
         self._reply_after_durable(cmd.request_id, self._update_job(cmd.spec, as_create=False))
 
     def _update_job(self, spec: JobSpec, *, as_create: bool) -> dict[str, Any]:

@@ -168,24 +168,28 @@ def test_bad_or_empty_input_is_a_usage_error(node: NodeProc, tmp_path: Path) -> 
         assert "not_found" in clean_failure(cli(node, "job", "get", job_id))
 
 
-def test_an_update_landing_between_the_read_and_the_write_is_reported(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    """``job.update`` has no expected version: the CLI cannot prevent another update between
-    its ``job.get`` and its ``job.update``, but it sees the version jump and says so. (A stand-in
-    client: the interleaving cannot be forced through a real node.)"""
+def test_an_update_made_from_a_read_job_asks_for_that_version() -> None:
+    """The CLI completes a schedule change from the job as it read it, and sends the update
+    with ``if_version`` of that read: another update landing between the two is not
+    overwritten, the node answers ``conflict`` (a stand-in client: the interleaving cannot be
+    forced through a real node)."""
+    from cluster.client import RemoteError
+
+    asked: list[int | None] = []
 
     class Racing:
         async def get(self, job_id: str) -> dict[str, Any]:
             return {"job_id": job_id, "version": 4, "spec": {"schedule": {"cron": "0 3 * * *"}}}
 
-        async def update(self, job_id: str, changes: dict[str, Any]) -> dict[str, Any]:
-            return {"job_id": job_id, "version": 6}  # someone else's update made 5
+        async def update(
+            self, job_id: str, changes: dict[str, Any], *, if_version: int | None = None
+        ) -> dict[str, Any]:
+            asked.append(if_version)
+            raise RemoteError("conflict", f"job {job_id!r} is at version 5, not 4", "if_version")
 
     args: argparse.Namespace = build_parser().parse_args(
         ["job", "update", "raced", "--cron", "0 4 * * *"]
     )
-    result = trio.run(commands._update, Racing(), args)  # type: ignore[arg-type]
-    assert result["version"] == 6
-    err = capsys.readouterr().err
-    assert "changed between reading it (version 4) and this update (now version 6)" in err
+    with pytest.raises(RemoteError, match="run the command again") as caught:
+        trio.run(commands._update, Racing(), args)  # type: ignore[arg-type]
+    assert caught.value.code == "conflict" and asked == [4]

@@ -551,3 +551,47 @@ def test_a_worker_that_fenced_itself_takes_runs_again(tmp_path: Path) -> None:
             nursery.cancel_scope.cancel()
 
     run_with_node(tmp_path, body)
+
+
+def test_concurrent_partial_updates_of_one_job_all_count(tmp_path: Path) -> None:
+    """Found by me: the node merged each partial update into the job's stored spec, so two
+    updates in flight together both merged into the same version and the second undid the
+    first's change. Each now applies only on the version it was merged into (the engine
+    checks), else it is merged again into the newer one."""
+
+    async def body(client: Client, port: int) -> None:
+        await client.create({"id": "multi", "schedule": {"every": "1h"}, "task": {"payload": 1}})
+        changes = [{"timeout": "5m"}, {"tier": "gpu"}, {"labels": {"team": "a"}}]
+        results: list[dict[str, Any]] = []
+        go = trio.Event()
+
+        async def update(change: dict[str, Any], connected: trio.Event) -> None:
+            async with Client.connect("127.0.0.1", port) as own:  # a connection each
+                connected.set()
+                await go.wait()  # all at once: each read happens before any write is durable
+                results.append(await own.update("multi", change))
+
+        async with trio.open_nursery() as nursery:
+            ready = []
+            for change in changes:
+                connected = trio.Event()
+                ready.append(connected)
+                nursery.start_soon(update, change, connected)
+            for connected in ready:
+                await connected.wait()
+            go.set()
+        assert sorted(r["version"] for r in results) == [2, 3, 4]
+        spec = (await client.get("multi"))["spec"]
+        assert spec["timeout"] == "5m" and spec["tier"] == "gpu" and spec["labels"] == {"team": "a"}
+
+        # if_version: the caller's own version must be the current one
+        with pytest.raises(RemoteError) as caught:
+            await client.update("multi", {"tier": "cpu"}, if_version=3)
+        assert caught.value.code == "conflict" and caught.value.field == "if_version"
+        done = await client.update("multi", {"tier": "cpu"}, if_version=4)
+        assert done["version"] == 5
+        with pytest.raises(RemoteError) as caught:
+            await client.update("multi", {"tier": "x"}, if_version=0)
+        assert caught.value.code == "bad_args"
+
+    run_with_node(tmp_path, body)
