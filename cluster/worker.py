@@ -1104,20 +1104,18 @@ class WorkerAgent:
                     self.output_offsets = False
                     args = {k: v for k, v in args.items() if k != "offset"}
                     continue
-                if op == "worker.finished" and exc.code == "bad_args" and "exit_code" in args:
-                    # A final report the node finds malformed must not drop the run unreported
-                    # (it would go out again, or become LOST, though its outcome is known):
-                    # it is reported once more as a plain failure.
-                    if args.get("exit_code") is not None or args.get("outcome") != "failed":
-                        log.warning("%s refused: %s; reported as failed", op, exc)
-                        args = {**args, "outcome": "failed", "exit_code": None}
-                        continue
+                plain = _plain_failure(op, args) if exc.code == "bad_args" else None
+                if plain is not None:
+                    log.warning("%s refused: %s; reported as failed", op, exc)
+                    args = plain
+                    continue
                 log.warning("%s refused: %s", op, exc)
                 return True  # refused is an answer: the node will not want it again
             except RequestNotSendable as exc:
-                if op == "worker.finished" and args.get("exit_code") is not None:
+                plain = _plain_failure(op, args)
+                if plain is not None:
                     log.warning("%s not sendable: %s; reported as failed", op, exc)
-                    args = {**args, "outcome": "failed", "exit_code": None}
+                    args = plain
                     continue
                 log.error("%s dropped: %s", op, exc)  # sending it again fails the same way
                 return True
@@ -1126,6 +1124,18 @@ class WorkerAgent:
             except ClientError as exc:
                 log.warning("%s: %s; retrying", op, exc)
                 await trio.sleep(0.5)
+
+
+def _plain_failure(op: str, args: dict[str, Any]) -> dict[str, Any] | None:
+    """A final report the node refused as malformed, or that cannot be encoded, as a plain
+    failure (``failed``, no exit code) to send instead; None when it is one already or is no
+    final report. Such a report must not drop the run unreported: it would go out again, or
+    become LOST, though its outcome is known."""
+    if op != "worker.finished" or (
+        args.get("outcome") == "failed" and args.get("exit_code") is None
+    ):
+        return None
+    return {**args, "outcome": "failed", "exit_code": None}
 
 
 def _store_codes(cls: type[StoreError] = StoreError) -> frozenset[str]:

@@ -638,9 +638,11 @@ class Policy:
         }
 
 
-#: Rendered policies (see :meth:`Policy.to_dict`), cleared when it reaches its bound.
+#: Rendered policies (see :meth:`Policy.to_dict`), cleared when it reaches its bound: sized
+#: for the ~10,000 distinct policies of the large simulation, which a snapshot export renders
+#: each time (at most ~16 MB: an entry is about a kilobyte). The parsed policies below share it.
 _POLICY_DICTS: dict[Policy, dict[str, object]] = {}
-_POLICY_DICT_CACHE: Final = 4096
+_POLICY_DICT_CACHE: Final = 1 << 14
 #: The policy whose spec template (:meth:`Policy.spec_template`) was made last, and it.
 _LAST_TEMPLATE: list[tuple[Policy | None, dict[str, object]]] = [(None, {})]
 

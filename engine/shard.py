@@ -182,23 +182,16 @@ class EngineConfig:
             )
 
 
-#: Schedules replays parsed, by content (see ``ShardEngine._stored_profile``): pure
-#: functions of the stored text, so shared by every engine of the process; a bound (cleared
-#: when full), not an LRU.
-_REPLAY_SCHEDULES: dict[tuple[str, Any], Schedule] = {}
-_REPLAY_CACHE_LIMIT: Final = 4096
-
-#: A snapshot's table of policies and its profiles' schedules, parsed, by their stored form
-#: (its ``repr``: exact for the plain values a snapshot holds, where ``True``, ``1`` and
-#: ``1.0`` differ), and each policy's stored form, by policy: what loading and exporting a
-#: snapshot did for every distinct policy and profile each time, which a process repeats for
-#: the same ones (a shard recovered again, the next snapshot of a shard). Pure functions of
-#: their keys, so shared by every engine of the process; bounds (cleared when full), not
-#: LRUs, sized for the ~10,000 distinct policies of the large simulation (at most ~16 MB
-#: each: an entry is a policy's text or rendered dict, about a kilobyte).
+#: A snapshot's table of policies, and the schedules of stored specs and snapshot profiles
+#: (replay and load alike), parsed, by their stored form (its ``repr``: exact for the plain
+#: values they hold, where ``True``, ``1`` and ``1.0`` differ): what loading a snapshot or
+#: replaying a log did for every distinct policy and schedule each time, which a process
+#: repeats for the same ones (a shard recovered again). Pure functions of their keys, so
+#: shared by every engine of the process; bounds (cleared when full), not LRUs, sized for
+#: the ~10,000 distinct policies of the large simulation (at most ~16 MB each: an entry is
+#: about a kilobyte). A policy's rendered form is :meth:`Policy.to_dict`'s own cache.
 _SNAPSHOT_POLICIES: dict[str, Policy] = {}
-_SNAPSHOT_SCHEDULES: dict[tuple[str, str | None], Schedule] = {}
-_POLICY_FORMS: dict[Policy, dict[str, object]] = {}
+_STORED_SCHEDULES: dict[tuple[str, str | None], Schedule] = {}
 _SNAPSHOT_CACHE_LIMIT: Final = 1 << 14
 
 
@@ -232,28 +225,20 @@ def _snapshot_policy(stored: Mapping[str, Any]) -> Policy:
     return policy
 
 
-def _snapshot_schedule(stored: Mapping[str, Any], jitter_id: str | None) -> Schedule:
-    """``parse_schedule(stored, job_id=jitter_id)``, kept by the stored form's text."""
+def _stored_schedule(
+    stored: object, jitter_id: str | None, created_ms: int | None = None
+) -> Schedule:
+    """``parse_schedule(stored, created_ms=created_ms, job_id=jitter_id)``, kept by the stored
+    form's text (a stored form is normalized: it has its ``start``, so ``created_ms`` never
+    decides). An error is not kept."""
     key = (repr(stored), jitter_id)
-    schedule = _SNAPSHOT_SCHEDULES.get(key)
+    schedule = _STORED_SCHEDULES.get(key)
     if schedule is None:
-        schedule = parse_schedule(stored, job_id=jitter_id)
-        if len(_SNAPSHOT_SCHEDULES) >= _SNAPSHOT_CACHE_LIMIT:
-            _SNAPSHOT_SCHEDULES.clear()
-        _SNAPSHOT_SCHEDULES[key] = schedule
+        schedule = parse_schedule(stored, created_ms=created_ms, job_id=jitter_id)
+        if len(_STORED_SCHEDULES) >= _SNAPSHOT_CACHE_LIMIT:
+            _STORED_SCHEDULES.clear()
+        _STORED_SCHEDULES[key] = schedule
     return schedule
-
-
-def _policy_form(policy: Policy) -> dict[str, object]:
-    """``policy.to_dict()``: a fresh dict (its ``retries`` too), rendered once per policy."""
-    form = _POLICY_FORMS.get(policy)
-    if form is None:
-        if len(_POLICY_FORMS) >= _SNAPSHOT_CACHE_LIMIT:
-            _POLICY_FORMS.clear()
-        form = _POLICY_FORMS[policy] = policy.to_dict()
-    out = dict(form)
-    out["retries"] = dict(form["retries"])  # type: ignore[call-overload]
-    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -304,7 +289,7 @@ class _Profile:
         else:
             policy = _snapshot_policy(stored)
         return cls(
-            None if schedule is None else _snapshot_schedule(schedule, d["jitter_id"]),
+            None if schedule is None else _stored_schedule(schedule, d["jitter_id"]),
             policy,
             tuple(d["after"]),
             d["jitter_id"],
@@ -899,7 +884,7 @@ class ShardEngine:
                 index = by_value.get(policy)
                 if index is None:
                     index = by_value[policy] = len(policies)
-                    policies.append(_policy_form(policy))
+                    policies.append(policy.to_dict())
                 by_object[id(policy)] = index
             out.append(profile.to_dict(index))
         return policies, out
@@ -1168,13 +1153,7 @@ class ShardEngine:
             return self._intern(_Profile(None, policy, after, None))
         job_id = spec.get("id")
         jitter_id = job_id if isinstance(raw, Mapping) and "jitter" in raw else None
-        schedule_key = (repr(raw), jitter_id)
-        schedule = _REPLAY_SCHEDULES.get(schedule_key)
-        if schedule is None:
-            schedule = parse_schedule(raw, created_ms=self._wall, job_id=job_id)
-            if len(_REPLAY_SCHEDULES) >= _REPLAY_CACHE_LIMIT:
-                _REPLAY_SCHEDULES.clear()
-            _REPLAY_SCHEDULES[schedule_key] = schedule
+        schedule = _stored_schedule(raw, jitter_id, self._wall)
         return self._intern(
             _Profile(schedule, policy, after, job_id if schedule.jitter_ms else None)
         )

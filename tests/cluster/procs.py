@@ -83,7 +83,12 @@ class NodeProc(Proc):
 
 
 class WorkerProc(Proc):
-    def __init__(self, port: int, log: Path, *, slots: int = 2, worker_id: str = "w1") -> None:
+    """``tickwheel worker`` on the node at ``port``, with any further options (``extra``:
+    ``--drain 3s`` and the like)."""
+
+    def __init__(
+        self, port: int, log: Path, *extra: str, slots: int = 2, worker_id: str = "w1"
+    ) -> None:
         super().__init__(
             [
                 sys.executable,
@@ -96,9 +101,13 @@ class WorkerProc(Proc):
                 str(slots),
                 "--id",
                 worker_id,
+                *extra,
             ],
             log,
         )
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
 
 
 def with_client(port: int, body: Callable[[Client], Awaitable[T]], timeout: float = 60) -> T:
@@ -118,3 +127,10 @@ def wait_until(predicate: Callable[[], Any], timeout: float = 30, step: float = 
             return value
         time.sleep(step)
     raise AssertionError(f"not true within {timeout} s")
+
+
+def in_s(seconds: float) -> dict[str, str]:
+    """A one-shot schedule ``seconds`` from now."""
+    from engine.schedules import format_utc
+
+    return {"at": format_utc(int((time.time() + seconds) * 1000))}

@@ -21,8 +21,7 @@ from cluster.client import Client, RemoteError
 from cluster.worker import WorkerAgent
 from engine.effects import RunTicket
 from engine.runs import FINAL_VALUES
-from tests.cluster.procs import NodeProc
-from tests.cluster.test_node_processes import in_s
+from tests.cluster.procs import NodeProc, in_s
 
 JOBS = 400
 

@@ -5,22 +5,15 @@ whose target does not exist is said in the node's log."""
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from cluster.client import Client
-from tests.cluster.procs import NodeProc, WorkerProc, wait_until, with_client
+from tests.cluster.procs import NodeProc, WorkerProc, in_s, wait_until, with_client
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def in_s(seconds: float) -> dict[str, str]:
-    from engine.schedules import format_utc
-
-    return {"at": format_utc(int((time.time() + seconds) * 1000))}
 
 
 @pytest.fixture

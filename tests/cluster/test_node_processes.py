@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from cluster.client import Client
-from tests.cluster.procs import NodeProc, WorkerProc, wait_until, with_client
+from tests.cluster.procs import NodeProc, WorkerProc, in_s, wait_until, with_client
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -56,12 +56,6 @@ def create(port: int, *specs: dict[str, Any]) -> None:
             await c.create({"task": {"command": ["true"]}, **spec})
 
     with_client(port, body)
-
-
-def in_s(seconds: float) -> dict[str, str]:
-    from engine.schedules import format_utc
-
-    return {"at": format_utc(int((time.time() + seconds) * 1000))}
 
 
 @pytest.fixture

@@ -13,8 +13,7 @@ import pytest
 import trio
 
 from cluster.client import Client, RemoteError
-from tests.cluster.procs import NodeProc
-from tests.cluster.test_node_processes import in_s
+from tests.cluster.procs import NodeProc, in_s
 
 
 def test_a_run_of_a_tier_no_worker_serves_says_so(tmp_path: Path) -> None:

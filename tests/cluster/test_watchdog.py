@@ -8,7 +8,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,7 +34,7 @@ from cluster.watchdog import (
     parse_start_time,
 )
 from cluster.watchdog_link import GUARD_ARGV
-from tests.cluster.procs import NodeProc, Proc, wait_until, with_client
+from tests.cluster.procs import NodeProc, WorkerProc, wait_until, with_client
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -239,27 +238,11 @@ def test_guard_with_nothing_registered_exits_quietly(guard: Any) -> None:
 # A real node and a real worker
 
 
-class Worker(Proc):
-    def __init__(self, port: int, log: Path, *extra: str) -> None:
-        super().__init__(
-            [
-                sys.executable,
-                "-m",
-                "cluster.cli",
-                "worker",
-                "--connect",
-                f"127.0.0.1:{port}",
-                "--id",
-                "wd",
-                "--slots",
-                "4",
-                *extra,
-            ],
-            log,
-        )
+class Worker(WorkerProc):
+    """``tickwheel worker`` ``wd`` with 4 slots, and the guard it started."""
 
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
+    def __init__(self, port: int, log: Path, *extra: str) -> None:
+        super().__init__(port, log, *extra, slots=4, worker_id="wd")
 
     def guard_pids(self) -> list[int]:
         return [int(p) for p in re.findall(r"guard pid (\d+) watches", self.text())]

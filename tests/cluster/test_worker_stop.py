@@ -13,40 +13,17 @@ from typing import Any
 import pytest
 
 from cluster.client import Client
-from tests.cluster.procs import NodeProc, Proc, wait_until, with_client
+from tests.cluster.procs import NodeProc, WorkerProc, in_s, wait_until, with_client
 
 pytestmark = pytest.mark.timeout(120)
 
 
-class Worker(Proc):
-    """``tickwheel worker`` with the options given (``--drain`` among them)."""
+class Worker(WorkerProc):
+    """``tickwheel worker`` ``ws`` with 4 slots and the options given (``--drain`` among
+    them)."""
 
     def __init__(self, port: int, log: Path, *extra: str) -> None:
-        super().__init__(
-            [
-                sys.executable,
-                "-m",
-                "cluster.cli",
-                "worker",
-                "--connect",
-                f"127.0.0.1:{port}",
-                "--id",
-                "ws",
-                "--slots",
-                "4",
-                *extra,
-            ],
-            log,
-        )
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-
-def in_s(seconds: float) -> dict[str, str]:
-    from engine.schedules import format_utc
-
-    return {"at": format_utc(int((time.time() + seconds) * 1000))}
+        super().__init__(port, log, *extra, slots=4, worker_id="ws")
 
 
 def create(port: int, *specs: dict[str, Any]) -> None:

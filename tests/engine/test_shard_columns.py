@@ -204,9 +204,11 @@ def test_a_snapshot_stores_each_policy_once_and_reads_the_older_form_too() -> No
 
 
 def _clear_snapshot_caches() -> None:
+    from engine import jobs
+
     shard._SNAPSHOT_POLICIES.clear()
-    shard._SNAPSHOT_SCHEDULES.clear()
-    shard._POLICY_FORMS.clear()
+    shard._STORED_SCHEDULES.clear()
+    jobs._POLICY_DICTS.clear()
 
 
 def test_snapshot_caches_give_what_parsing_and_rendering_give() -> None:
