@@ -469,8 +469,20 @@ class ShardHost:
     def _persist(self, batch: Persist) -> None:
         if self.failed is not None:
             return
+        node = self.node
         try:
-            self.committer.submit(batch)
+            if node.in_flight <= 1 and node.kicker is not None:
+                # A lone request (or a worker's report, a fire): the writer is woken just
+                # before this thread waits for I/O (Node.kicker), not now. Woken now, it
+                # would take the GIL at this thread's next system call (the reader's epoll
+                # registration) and hold it for its own Python (the write's encoding, up to
+                # the fsync): this thread would then wait for the GIL, and on these shared
+                # cores the holder is often descheduled meanwhile (measured: waits of
+                # milliseconds, and ~4 futex calls a request in this thread).
+                self.committer.submit(batch, wake=False)
+                node.kicks[self] = None
+            else:
+                self.committer.submit(batch)
         except StoreError as exc:
             self._fail(exc)
             return
@@ -953,6 +965,21 @@ class _Batch:
             self._node.begin_batch()
 
 
+class _Kicker(trio.abc.Instrument):
+    """Wakes the group committers that got batches without a wake-up
+    (:meth:`ShardHost._persist`) just before Trio's loop waits for I/O, when this thread
+    gives up the GIL anyway: the writer then finds the GIL free. Every pass of the loop has
+    such a wait (zero timeout when tasks are runnable), so no batch waits past the pass that
+    queued it."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+
+    def before_io_wait(self, timeout: float) -> None:
+        if self.node.kicks:
+            self.node.kick_committers()
+
+
 class Node:
     """Every shard of ``data_dir``, served on ``host:port``."""
 
@@ -998,6 +1025,11 @@ class Node:
         self.in_flight = 0  # requests admitted (Connection._admit) and not answered yet
         self.turn_due: dict[ShardHost, None] = {}
         self.unsent: dict[Connection, None] = {}
+        # Shards whose committer got a batch without a wake-up (ShardHost._persist): kicked
+        # by the kicker, an instrument of Trio's loop, before its next wait for I/O (every
+        # pass of the loop has one, with a zero timeout when tasks are runnable).
+        self.kicks: dict[ShardHost, None] = {}
+        self.kicker: _Kicker | None = None  # installed while run() runs
         self.batch = _Batch(self, opens=True)  # ``with node.batch:`` begin .. end
         self.unbatched = _Batch(self, opens=False)  # a wait inside a batch: end .. begin
         self.nursery: trio.Nursery
@@ -1034,6 +1066,15 @@ class Node:
         finally:
             self.batching = 0
 
+    def kick_committers(self) -> None:
+        """Wake the writers of the batches queued without a wake-up (never raises)."""
+        hosts, self.kicks = self.kicks, {}
+        for host in hosts:
+            try:
+                host.committer.kick()
+            except Exception as exc:  # a bug; the shard's batch would wait forever
+                host.fail_on_bug(exc, "waking its committer")
+
     # ------------------------------------------------------------------ lifecycle
 
     async def run(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
@@ -1041,6 +1082,17 @@ class Node:
         batches in flight, store a snapshot per shard and close the stores. ``task_status``
         gets the port actually listened on."""
         self.shards, self.epoch = prepare_data_dir(self.data_dir, self.requested_shards)
+        kicker = _Kicker(self)
+        trio.lowlevel.add_instrument(kicker)
+        self.kicker = kicker
+        try:
+            await self._run(task_status)
+        finally:
+            self.kicker = None
+            trio.lowlevel.remove_instrument(kicker)
+            self.kick_committers()  # (closed committers wrote everything queued anyway)
+
+    async def _run(self, task_status: trio.TaskStatus[int]) -> None:
         token = trio.lowlevel.current_trio_token()
         # Open from the start and through the close: a second SIGTERM (an impatient supervisor)
         # while the batches finish and the snapshots are written waits in the receiver
