@@ -676,7 +676,10 @@ class Connection:
         self.outbox = Outbox(self.io, OUTBOX_HIGH_WATER)
         self.hard_cap = OUTBOX_HARD_CAP
         self.scope: trio.CancelScope | None = None
-        self.limiter = trio.Semaphore(MAX_IN_FLIGHT)
+        # Requests admitted (_admit) and not answered yet, at most MAX_IN_FLIGHT: a count, not
+        # a trio.Semaphore (whose calls cost more than the count; only the reader waits).
+        self.in_flight = 0
+        self.room: trio.Event | None = None  # set while the reader waits for a place
         self.worker: WorkerSession | None = None
         self.closed = False
 
@@ -746,7 +749,7 @@ class Connection:
     async def _answered(self) -> None:
         """Wait until every request of this connection is answered and every reply written
         (polled: this runs once, when the peer stopped sending)."""
-        while self.limiter.value < MAX_IN_FLIGHT or self.outbox.queued:
+        while self.in_flight or self.outbox.queued:
             await trio.sleep(0.005)
 
     def write_now(self) -> None:
@@ -819,16 +822,20 @@ class Connection:
         the cost of a request pipelined behind hundreds of others.) Called inside the
         reader's batch, which it leaves while it waits (the replies that free places are
         written by other batches)."""
-        try:
-            self.limiter.acquire_nowait()
-        except trio.WouldBlock:
+        while self.in_flight >= MAX_IN_FLIGHT:
+            room = self.room = trio.Event()
             with self.node.unbatched:
-                await self.limiter.acquire()
+                await room.wait()
+        self.in_flight += 1
         self.node.in_flight += 1
 
     def _release(self) -> None:
-        self.limiter.release()
+        self.in_flight -= 1
         self.node.in_flight -= 1
+        room = self.room
+        if room is not None:
+            self.room = None
+            room.set()
 
     def _create_now(self, request: Request) -> None:
         def answer(outcome: Reply | StoreError) -> None:
@@ -954,7 +961,7 @@ class _Batch:
 
     def __enter__(self) -> None:
         if self._opens:
-            self._node.begin_batch()
+            self._node.batching += 1  # begin_batch, inline (twice a request)
         else:
             self._node.end_batch()
 
