@@ -105,6 +105,13 @@ class FrameDecoder:
 
     def feed(self, data: bytes | bytearray | memoryview) -> None:
         """Take the next bytes of the stream (any slicing)."""
+        if not self._buffer and not self._skip and type(data) is bytes and len(data) > 4:
+            # The commonest read (a lone request or reply): exactly one whole frame, nothing
+            # held before it. Decoded straight from the read, never copied into the buffer.
+            (length,) = _HEADER.unpack_from(data)
+            if length == len(data) - 4 and length <= min(self._max_frame, BUDGET_FROM):
+                self._events.append(_decode(data[4:]))
+                return
         view = memoryview(data)
         if self._skip:
             dropped = min(self._skip, len(view))

@@ -469,8 +469,20 @@ class ShardHost:
     def _persist(self, batch: Persist) -> None:
         if self.failed is not None:
             return
+        node = self.node
         try:
-            self.committer.submit(batch)
+            if node.in_flight <= 1 and node.kicker is not None:
+                # A lone request (or a worker's report, a fire): the writer is woken just
+                # before this thread waits for I/O (Node.kicker), not now. Woken now, it
+                # would take the GIL at this thread's next system call (the reader's epoll
+                # registration) and hold it for its own Python (the write's encoding, up to
+                # the fsync): this thread would then wait for the GIL, and on these shared
+                # cores the holder is often descheduled meanwhile (measured: waits of
+                # milliseconds, and ~4 futex calls a request in this thread).
+                self.committer.submit(batch, wake=False)
+                node.kicks[self] = None
+            else:
+                self.committer.submit(batch)
         except StoreError as exc:
             self._fail(exc)
             return
@@ -664,7 +676,10 @@ class Connection:
         self.outbox = Outbox(self.io, OUTBOX_HIGH_WATER)
         self.hard_cap = OUTBOX_HARD_CAP
         self.scope: trio.CancelScope | None = None
-        self.limiter = trio.Semaphore(MAX_IN_FLIGHT)
+        # Requests admitted (_admit) and not answered yet, at most MAX_IN_FLIGHT: a count, not
+        # a trio.Semaphore (whose calls cost more than the count; only the reader waits).
+        self.in_flight = 0
+        self.room: trio.Event | None = None  # set while the reader waits for a place
         self.worker: WorkerSession | None = None
         self.closed = False
 
@@ -734,7 +749,7 @@ class Connection:
     async def _answered(self) -> None:
         """Wait until every request of this connection is answered and every reply written
         (polled: this runs once, when the peer stopped sending)."""
-        while self.limiter.value < MAX_IN_FLIGHT or self.outbox.queued:
+        while self.in_flight or self.outbox.queued:
             await trio.sleep(0.005)
 
     def write_now(self) -> None:
@@ -807,16 +822,20 @@ class Connection:
         the cost of a request pipelined behind hundreds of others.) Called inside the
         reader's batch, which it leaves while it waits (the replies that free places are
         written by other batches)."""
-        try:
-            self.limiter.acquire_nowait()
-        except trio.WouldBlock:
+        while self.in_flight >= MAX_IN_FLIGHT:
+            room = self.room = trio.Event()
             with self.node.unbatched:
-                await self.limiter.acquire()
+                await room.wait()
+        self.in_flight += 1
         self.node.in_flight += 1
 
     def _release(self) -> None:
-        self.limiter.release()
+        self.in_flight -= 1
         self.node.in_flight -= 1
+        room = self.room
+        if room is not None:
+            self.room = None
+            room.set()
 
     def _create_now(self, request: Request) -> None:
         def answer(outcome: Reply | StoreError) -> None:
@@ -942,7 +961,7 @@ class _Batch:
 
     def __enter__(self) -> None:
         if self._opens:
-            self._node.begin_batch()
+            self._node.batching += 1  # begin_batch, inline (twice a request)
         else:
             self._node.end_batch()
 
@@ -951,6 +970,21 @@ class _Batch:
             self._node.end_batch()
         else:
             self._node.begin_batch()
+
+
+class _Kicker(trio.abc.Instrument):
+    """Wakes the group committers that got batches without a wake-up
+    (:meth:`ShardHost._persist`) just before Trio's loop waits for I/O, when this thread
+    gives up the GIL anyway: the writer then finds the GIL free. Every pass of the loop has
+    such a wait (zero timeout when tasks are runnable), so no batch waits past the pass that
+    queued it."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+
+    def before_io_wait(self, timeout: float) -> None:
+        if self.node.kicks:
+            self.node.kick_committers()
 
 
 class Node:
@@ -998,6 +1032,11 @@ class Node:
         self.in_flight = 0  # requests admitted (Connection._admit) and not answered yet
         self.turn_due: dict[ShardHost, None] = {}
         self.unsent: dict[Connection, None] = {}
+        # Shards whose committer got a batch without a wake-up (ShardHost._persist): kicked
+        # by the kicker, an instrument of Trio's loop, before its next wait for I/O (every
+        # pass of the loop has one, with a zero timeout when tasks are runnable).
+        self.kicks: dict[ShardHost, None] = {}
+        self.kicker: _Kicker | None = None  # installed while run() runs
         self.batch = _Batch(self, opens=True)  # ``with node.batch:`` begin .. end
         self.unbatched = _Batch(self, opens=False)  # a wait inside a batch: end .. begin
         self.nursery: trio.Nursery
@@ -1034,6 +1073,15 @@ class Node:
         finally:
             self.batching = 0
 
+    def kick_committers(self) -> None:
+        """Wake the writers of the batches queued without a wake-up (never raises)."""
+        hosts, self.kicks = self.kicks, {}
+        for host in hosts:
+            try:
+                host.committer.kick()
+            except Exception as exc:  # a bug; the shard's batch would wait forever
+                host.fail_on_bug(exc, "waking its committer")
+
     # ------------------------------------------------------------------ lifecycle
 
     async def run(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
@@ -1041,6 +1089,17 @@ class Node:
         batches in flight, store a snapshot per shard and close the stores. ``task_status``
         gets the port actually listened on."""
         self.shards, self.epoch = prepare_data_dir(self.data_dir, self.requested_shards)
+        kicker = _Kicker(self)
+        trio.lowlevel.add_instrument(kicker)
+        self.kicker = kicker
+        try:
+            await self._run(task_status)
+        finally:
+            self.kicker = None
+            trio.lowlevel.remove_instrument(kicker)
+            self.kick_committers()  # (closed committers wrote everything queued anyway)
+
+    async def _run(self, task_status: trio.TaskStatus[int]) -> None:
         token = trio.lowlevel.current_trio_token()
         # Open from the start and through the close: a second SIGTERM (an impatient supervisor)
         # while the batches finish and the snapshots are written waits in the receiver

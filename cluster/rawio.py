@@ -42,11 +42,15 @@ class RawSocketIO:
     in :data:`READS_BEFORE_YIELD` reads does).
     """
 
-    __slots__ = ("_ready_reads", "_sock")
+    __slots__ = ("_drained", "_ready_reads", "_sock")
 
     def __init__(self, stream: trio.SocketStream) -> None:
         self._sock = stream.socket
         self._ready_reads = 0
+        # The last read took less than it asked for: the socket held no more at that moment.
+        # The next read then waits for readiness first instead of trying a read that would
+        # most likely fail with EAGAIN (a lone request's connection: every read but none).
+        self._drained = False
 
     def _fd(self) -> int:
         # Asked each time, never kept: once the stream closes its socket the number may be
@@ -57,19 +61,35 @@ class RawSocketIO:
         return fd
 
     async def receive_some(self) -> bytes:
-        """Some bytes (up to :data:`READ_BYTES`); ``b""`` once the peer closed its side."""
-        self._ready_reads += 1
-        if self._ready_reads >= READS_BEFORE_YIELD:
+        """Some bytes (up to :data:`READ_BYTES`); ``b""`` once the peer closed its side.
+
+        After a read that found less than it asked for, the next call waits for readiness
+        before it reads (epoll is level-triggered: bytes that came meanwhile wake it at once,
+        one pass of Trio's loop later): a connection carrying one request at a time then
+        costs one read per request instead of two (the second failing with EAGAIN, its
+        exception and its release of the GIL to the group committer's thread included)."""
+        if self._drained:
+            self._drained = False
             self._ready_reads = 0
-            await trio.lowlevel.checkpoint()
+            self._fd()  # a stream closed meanwhile raises here, as a read of it would
+            await trio.lowlevel.wait_readable(self._sock)
+        else:
+            self._ready_reads += 1
+            if self._ready_reads >= READS_BEFORE_YIELD:
+                self._ready_reads = 0
+                await trio.lowlevel.checkpoint()
         while True:
             try:
-                return os.read(self._fd(), READ_BYTES)
+                data = os.read(self._fd(), READ_BYTES)
             except BlockingIOError:
                 self._ready_reads = 0
                 await trio.lowlevel.wait_readable(self._sock)
+                continue
             except OSError as exc:
                 raise _translate(exc) from exc
+            if len(data) < READ_BYTES:
+                self._drained = True
+            return data
 
     def try_send(self, data: bytes) -> int:
         """Write what fits of ``data`` now, never waiting: the bytes written (0 when the

@@ -185,9 +185,20 @@ class GroupCommitter:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, batch: Persist, callback: Callable[[Ticket], None] | None = None) -> Ticket:
+    def submit(
+        self,
+        batch: Persist,
+        callback: Callable[[Ticket], None] | None = None,
+        *,
+        wake: bool = True,
+    ) -> Ticket:
         """Queue ``batch`` for the next group; a :class:`Ticket` for its acknowledgement.
-        Raises the store's usage errors and :class:`~wal.errors.StaleEpoch` at once."""
+        Raises the store's usage errors and :class:`~wal.errors.StaleEpoch` at once.
+
+        ``wake=False`` leaves an idle writer asleep: the caller promises a :meth:`kick` soon
+        (a writer in a write takes the batch when that write ends, kicked or not). A caller
+        about to give up the GIL anyway (an event loop about to wait) kicks then, so that the
+        writer does not wake only to wait for the GIL that the caller still holds."""
         prepared = self.store.prepare(batch)
         ticket = Ticket(batch.batch_id, callback)
         with self._mutex:
@@ -197,10 +208,18 @@ class GroupCommitter:
                     path=self.store.path,
                 )
             self._queue.push((prepared, ticket), prepared.size)
-            if not self._signalled:
+            if wake and not self._signalled:
                 self._signalled = True
                 self._signal.release()
         return ticket
+
+    def kick(self) -> None:
+        """Wake the writer if batches wait for it (those :meth:`submit` queued with
+        ``wake=False``). Thread-safe; cheap when there is nothing to do."""
+        with self._mutex:
+            if self._queue and not self._signalled:
+                self._signalled = True
+                self._signal.release()
 
     def close(self, timeout: float | None = None) -> None:
         """Stop taking batches, write everything already queued, stop the writer. Idempotent."""

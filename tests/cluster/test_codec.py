@@ -127,3 +127,37 @@ def test_a_list_or_map_longer_than_any_message_needs_is_refused_before_it_is_bui
     assert [getattr(e, "code", None) for e in events[:2]] == ["container_too_large"] * 2
     assert isinstance(events[0], ProtocolError) and events[0].request_id is None
     assert events[2] == {"id": 2, "x": [None] * MAX_ARRAY_LEN}
+
+
+def test_a_read_of_exactly_one_frame_decodes_as_any_other_slicing() -> None:
+    """One whole frame in one read, nothing held before it (the decoder's shortcut): the
+    same message, or the same error, as the frame fed a byte at a time; an oversized frame
+    and a frame behind held bytes still take the general path."""
+    frames = [
+        encode({"id": 1, "op": "ping", "args": {}}),
+        struct.pack(">I", 3) + b"\xc1\xc1\xc1",  # not msgpack
+        encode({"id": 2, "op": "job.get", "args": {"id": "x" * 100}}),
+    ]
+    for frame in frames:
+        whole, bytewise = FrameDecoder(), FrameDecoder()
+        whole.feed(frame)
+        for i in range(len(frame)):
+            bytewise.feed(frame[i : i + 1])
+        a, b = whole.next_event(), bytewise.next_event()
+        assert whole.next_event() is None and bytewise.next_event() is None
+        if isinstance(a, ProtocolError):
+            assert isinstance(b, ProtocolError) and (a.code, a.message) == (b.code, b.message)
+        else:
+            assert a == b and a is not None
+        assert whole.pending_bytes == 0
+    small = FrameDecoder(max_frame=64)
+    small.feed(frames[2])  # over the limit: refused, its bytes skipped
+    event = small.next_event()
+    assert isinstance(event, ProtocolError) and event.code == "frame_too_large"
+    small.feed(frames[0])
+    assert small.next_event() == {"id": 1, "op": "ping", "args": {}}
+    held = FrameDecoder()
+    held.feed(frames[0][:3])  # a partial header held: the next read is not a frame alone
+    held.feed(frames[0][3:] + frames[2])
+    assert held.next_event() == {"id": 1, "op": "ping", "args": {}}
+    assert held.next_event() is not None and held.pending_bytes == 0

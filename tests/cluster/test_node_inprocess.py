@@ -595,3 +595,50 @@ def test_concurrent_partial_updates_of_one_job_all_count(tmp_path: Path) -> None
         assert caught.value.code == "bad_args"
 
     run_with_node(tmp_path, body)
+
+
+def test_a_lone_create_wakes_the_writer_only_when_the_loop_waits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lone request's batch is queued without waking the committer's writer (which would
+    only wait for the GIL this thread holds); the node's kicker wakes it as Trio's loop is
+    about to wait, and the create is answered as ever, once durable. Requests in flight
+    together wake the writer at once."""
+    from wal.commit import GroupCommitter
+
+    submitted: list[bool] = []
+    kicked: list[bool] = []
+    real_submit, real_kick = GroupCommitter.submit, GroupCommitter.kick
+
+    def submit(self: GroupCommitter, batch: Any, callback: Any = None, *, wake: bool = True) -> Any:
+        submitted.append(wake)
+        return real_submit(self, batch, callback, wake=wake)
+
+    def kick(self: GroupCommitter) -> None:
+        kicked.append(bool(self._queue))
+        real_kick(self)
+
+    monkeypatch.setattr(GroupCommitter, "submit", submit)
+    monkeypatch.setattr(GroupCommitter, "kick", kick)
+
+    async def body(client: Client, port: int) -> None:
+        await trio.sleep(0.2)  # recovery's and the first ticks' batches are done with
+        submitted.clear()
+        kicked.clear()
+        for n in range(3):
+            job = await client.create(
+                {"id": f"lone-{n}", "schedule": soon(3600), "task": {"payload": {}}}
+            )
+            assert job["job_id"] == f"lone-{n}"
+        assert submitted == [False] * 3
+        assert kicked == [True] * 3  # each kicked once, with its batch waiting
+        submitted.clear()
+        async with trio.open_nursery() as nursery:
+            for n in range(8):
+                nursery.start_soon(
+                    client.create,
+                    {"id": f"many-{n}", "schedule": soon(3600), "task": {"payload": {}}},
+                )
+        assert True in submitted  # with others in flight: woken at once
+
+    run_with_node(tmp_path, body)

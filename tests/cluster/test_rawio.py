@@ -203,3 +203,43 @@ def test_the_outbox_writes_in_bounded_pieces_and_counts_its_bytes() -> None:
         await right.aclose()
 
     trio.run(main)
+
+
+def test_a_lone_request_at_a_time_costs_one_read_each(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer that sends its next bytes only once the last were read (a lone client): after
+    a read that drained the socket, the next waits for readiness instead of trying a read
+    that fails with EAGAIN (a system call, an exception and a GIL release per request)."""
+    real_read = os.read
+    calls = {"reads": 0, "eagain": 0}
+
+    def counting(fd: int, n: int) -> bytes:
+        calls["reads"] += 1
+        try:
+            return real_read(fd, n)
+        except BlockingIOError:
+            calls["eagain"] += 1
+            raise
+
+    async def main() -> None:
+        left, right = await _pair()
+        io = RawSocketIO(right)
+        send_go, receive_go = trio.open_memory_channel[None](1)
+
+        async def peer() -> None:
+            async for _ in receive_go:
+                os.write(left.socket.fileno(), b"request")  # after the reader asked
+
+        monkeypatch.setattr(os, "read", counting)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(peer)
+            for _ in range(20):
+                send_go.send_nowait(None)
+                assert await io.receive_some() == b"request"
+            nursery.cancel_scope.cancel()
+        monkeypatch.undo()
+        assert calls["reads"] - calls["eagain"] == 20
+        assert calls["eagain"] <= 1  # the first read only (nothing was known about the socket)
+        await left.aclose()
+        await right.aclose()
+
+    trio.run(main)

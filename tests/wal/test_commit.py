@@ -240,3 +240,25 @@ def test_wait_times_out(tmp_path: Path) -> None:
     with pytest.raises(TimeoutError):
         ticket.wait(0.01)
     assert isinstance(created(0), Persist)
+
+
+def test_a_batch_queued_without_a_wake_waits_for_its_kick(tmp_path: Path) -> None:
+    """``wake=False`` leaves an idle writer asleep (the caller's thread keeps the GIL to
+    itself until it waits); :meth:`GroupCommitter.kick` then has it written, and a writer in
+    a write takes such a batch when that write ends, kicked or not."""
+    store = open_counting(tmp_path)
+    with GroupCommitter(store) as committer:
+        committer.submit(created(0)).wait(10)  # the writer is idle after this
+        quiet = committer.submit(created(1), wake=False)
+        with pytest.raises(TimeoutError):
+            quiet.wait(0.2)  # nobody woke the writer
+        assert store.writes == [1]
+        committer.kick()
+        assert quiet.wait(10) > 0
+        committer.kick()  # nothing queued: nothing happens
+        assert store.writes == [1, 1]
+        # Behind a woken batch: taken by the writer with it or right after it, unkicked.
+        woken = committer.submit(created(2))
+        behind = committer.submit(created(3), wake=False)
+        assert woken.wait(10) < behind.wait(10)
+    store.close()
