@@ -222,6 +222,78 @@ def durable_echo_rate(directory: Path, *, count: int, max_s: float) -> float:
         path.unlink(missing_ok=True)
 
 
+def _trio_echo_server(ports: multiprocessing.Queue[int]) -> None:
+    """The far end of :func:`trio_echo_rate`: a Trio server on a port it reports in ``ports``,
+    one task per connection answering each read with a 32-byte reply; runs until killed."""
+    import trio
+
+    async def handle(stream: trio.SocketStream) -> None:
+        while await stream.receive_some(4096):
+            await stream.send_all(b"k" * 32)
+
+    async def serve() -> None:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        ports.put(listeners[0].socket.getsockname()[1])
+        await trio.serve_listeners(handle, listeners)
+
+    trio.run(serve)
+
+
+def trio_echo_rate(*, connections: int, max_s: float) -> tuple[float, float, float | None]:
+    """What a Trio server and Trio clients cost on this machine before they do any work: a
+    server process that only echoes (no decoding, no engine, no disk), ``connections`` client
+    connections in this process, each sending a 120-byte request and waiting for the reply
+    before the next, for ``max_s`` seconds. Returns (round trips/s, client CPU us and server
+    CPU us per round trip; the server's None where /proc is missing). A node and its client
+    library do all of this and their work besides, so their rate in the same mode stays under
+    this one."""
+    import trio
+
+    context = multiprocessing.get_context("forkserver")  # as durable_echo_rate: no fork
+    ports: multiprocessing.Queue[int] = context.Queue()
+    server = context.Process(target=_trio_echo_server, args=(ports,), daemon=True)
+    server.start()
+    try:
+        port = ports.get(timeout=60)
+
+        async def measure() -> tuple[int, float]:
+            streams = [await trio.open_tcp_stream("127.0.0.1", port) for _ in range(connections)]
+            done = 0
+
+            async def lane(stream: trio.SocketStream, end: float) -> None:
+                nonlocal done
+                request = b"r" * 120
+                while time.perf_counter() < end:
+                    await stream.send_all(request)
+                    if not await stream.receive_some(4096):
+                        raise RuntimeError("the echo server closed its side")
+                    done += 1
+
+            start = time.perf_counter()
+            async with trio.open_nursery() as nursery:
+                for stream in streams:
+                    nursery.start_soon(lane, stream, start + max_s)
+            elapsed = time.perf_counter() - start
+            for stream in streams:
+                await stream.aclose()
+            return done, elapsed
+
+        server_cpu0, client_cpu0 = process_cpu_s(server.pid or 0), time.process_time()
+        done, elapsed = trio.run(measure)
+        client_cpu = time.process_time() - client_cpu0
+        server_cpu1 = process_cpu_s(server.pid or 0)
+        done = max(1, done)
+        server_us = (
+            None
+            if server_cpu0 is None or server_cpu1 is None
+            else (server_cpu1 - server_cpu0) / done * 1e6
+        )
+        return done / elapsed, client_cpu / done * 1e6, server_us
+    finally:
+        server.kill()
+        server.join(10)
+
+
 def percentile(sorted_values: list[float], q: float) -> float:
     """The ``q`` quantile (0..1) of already sorted values, nearest rank; 0.0 when empty."""
     if not sorted_values:

@@ -13,7 +13,8 @@ three modes, each bounded in count and time:
 Every reply the node sends is for a create that is already durable (group commit: one fsync
 shared by everything waiting), so a submit counts only once it would survive a crash. The anchor
 measured beside ``single`` in the same run is the disk's own floor for that mode: one small write
-plus one ``fdatasync`` per submit, on the same file system. The Redis anchor of the issue is
+plus one ``fdatasync`` per submit, on the same file system. Beside ``conns64`` the run measures
+that mode's floor in a Trio stack: a bare Trio echo server and as many Trio connections, no work. The Redis anchor of the issue is
 quoted (no Redis here) in the notes and as ``quoted_redis_per_s``. Must never judge a figure.
 """
 
@@ -28,7 +29,7 @@ from typing import Any
 import trio
 
 from bench.common import Metric, SuiteResult
-from bench.node_harness import NodeProcess, durable_echo_rate, fdatasync_rate
+from bench.node_harness import NodeProcess, durable_echo_rate, fdatasync_rate, trio_echo_rate
 from cluster.client import Client
 from engine.schedules import format_utc
 
@@ -40,6 +41,7 @@ BATCHES_IN_FLIGHT = 2  # per connection, for create_many
 CREATES_IN_FLIGHT = 256  # per connection, for pipelined job.create
 #: time caps per mode (seconds): the suite stays near a minute whatever the machine
 CAPS = {"single": 8.0, "conns64": 12.0, "create_many": 12.0, "create": 12.0}
+TRIO_ECHO_S = 4.0  # conns64's floor (trio_echo_rate)
 
 #: quoted from the issue, measured on this machine with redis-py (not here: no Redis)
 REDIS_PIPELINED = 52_600
@@ -197,9 +199,21 @@ async def _check(port: int, specs: list[dict[str, Any]], done: int) -> None:
                 raise RuntimeError(f"job {last['id']} reads back as {job['spec']}")
 
 
-def measure(jobs: int) -> tuple[dict[str, Outcome], float, float]:
-    """Every mode against one node: the outcomes by mode, the disk's fdatasyncs/s, and the
-    floor of one-at-a-time durable submits (:func:`durable_echo_rate`)."""
+@dataclass
+class Floors:
+    """What this machine allows before the node does any work, measured in the same run."""
+
+    fsync_per_s: float  # one write + fdatasync at a time (single's anchor)
+    durable_echo_per_s: float  # single's floor: :func:`durable_echo_rate`
+    #: conns64's floor: a bare Trio echo over as many connections (:func:`trio_echo_rate`),
+    #: its rate and its CPU per round trip (client, server)
+    trio_echo_per_s: float
+    trio_echo_client_us: float
+    trio_echo_server_us: float | None
+
+
+def measure(jobs: int) -> tuple[dict[str, Outcome], Floors]:
+    """Every mode against one node: the outcomes by mode, and the machine's floors."""
     at = format_utc(int(time.time() * 1000) + 86_400_000)
     plan = {
         "single": max(10, jobs // 50),
@@ -228,12 +242,17 @@ def measure(jobs: int) -> tuple[dict[str, Outcome], float, float]:
         # The floor of one-at-a-time durability on this disk, measured right after.
         fsync = fdatasync_rate(node.root, count=max(200, plan["single"]), max_s=CAPS["single"])
         echo = durable_echo_rate(node.root, count=max(200, plan["single"]), max_s=CAPS["single"])
-    return out, fsync, echo
+    # conns64's floor, with the node stopped: Trio on both ends and nothing else.
+    trio_rate, trio_client_us, trio_server_us = trio_echo_rate(
+        connections=CONNECTIONS, max_s=TRIO_ECHO_S if jobs >= DEFAULT_JOBS // 10 else 0.5
+    )
+    return out, Floors(fsync, echo, trio_rate, trio_client_us, trio_server_us)
 
 
 def run(args: argparse.Namespace) -> SuiteResult:
     jobs = args.jobs or DEFAULT_JOBS
-    outcomes, fsync, echo = measure(jobs)
+    outcomes, floors = measure(jobs)
+    fsync, echo = floors.fsync_per_s, floors.durable_echo_per_s
     result = SuiteResult("submit")
     single = outcomes["single"]
     result.add(
@@ -265,6 +284,10 @@ def run(args: argparse.Namespace) -> SuiteResult:
                 "jobs": conns.done,
                 "target": TARGETS["conns64"],
                 **conns.cpu_fields(),
+                "floor_per_s": round(floors.trio_echo_per_s),
+                "floor_cpu_us_per_round_trip": None
+                if floors.trio_echo_server_us is None
+                else round(floors.trio_echo_client_us + floors.trio_echo_server_us),
             },
         )
     )
@@ -321,6 +344,17 @@ def run(args: argparse.Namespace) -> SuiteResult:
             "120-byte request over loopback TCP to another process that writes and fdatasyncs "
             "it, then replies (blocking sockets, no framework): the best any one-at-a-time "
             "durable submit can do on this machine",
+            f"conns64's floor_per_s, measured in this run: {floors.trio_echo_per_s:,.0f} round "
+            f"trips/s of a bare Trio echo server (another process; no decoding, no engine, no "
+            f"disk) and {CONNECTIONS} Trio client connections each waiting for its reply: "
+            f"{floors.trio_echo_client_us:,.0f} us of client CPU and "
+            + (
+                "an unknown amount"
+                if floors.trio_echo_server_us is None
+                else f"{floors.trio_echo_server_us:,.0f} us"
+            )
+            + " of server CPU a round trip, before any work; a node and its client library do "
+            "all of that and their work besides",
         ]
     )
     return result

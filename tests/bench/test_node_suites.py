@@ -46,6 +46,8 @@ def test_submit_suite_json_shape() -> None:
     assert single["floor_per_s"] > 0
     conns = next(m for m in metrics if m["mode"] == "conns64")
     assert conns["connections"] == 64
+    # Its floor too: a bare Trio echo over as many connections, measured in the same run.
+    assert conns["floor_per_s"] > 0 and conns["floor_cpu_us_per_round_trip"] > 0
 
 
 def test_lateness_suite_json_shape() -> None:
