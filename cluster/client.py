@@ -504,8 +504,34 @@ class Client:
             else s
             for s in specs
         ]
-        result = await self.request("job.create_many", {"specs": specs})
-        return list(result["results"])
+        sent_on: list[int] = []
+        result = await self.request("job.create_many", {"specs": specs}, sent_on=sent_on)
+        results = list(result["results"])
+        if len(sent_on) < 2:
+            return results
+        # The batch was written to a connection that broke before its reply, then sent again
+        # with the same ids: an ``exists`` may be this very batch's earlier attempt, as in
+        # :meth:`create` (found by the sixth adversarial pass: every spec of a batch that
+        # succeeded was reported ``exists``). Asked one by one: this is the rare path.
+        for i, (spec, entry) in enumerate(zip(specs, results, strict=True)):
+            error = entry.get("error") if not entry.get("ok") else None
+            if not isinstance(error, dict) or error.get("code") != "exists":
+                continue
+            if not isinstance(spec, dict) or not isinstance(spec.get("id"), str):
+                continue
+            if any(
+                s is not spec and isinstance(s, dict) and s.get("id") == spec["id"]
+                for s in specs[:i]
+            ):
+                continue  # an earlier spec of this batch has the id: this one's is real
+            try:
+                job = await self.get(spec["id"])
+            except ClientError:
+                continue
+            stored = job.pop("spec", None)
+            if isinstance(stored, dict) and same_spec(spec, stored):
+                results[i] = {"ok": True, "result": job}
+        return results
 
     async def update(
         self, job_id: str, changes: dict[str, Any], *, if_version: int | None = None
@@ -513,17 +539,63 @@ class Client:
         """Merge ``changes`` into the job (a new version). Concurrent updates of one job each
         count (the node merges into the current version). With ``if_version``, only if that
         is the job's current version: else :class:`RemoteError` ``conflict``, nothing
-        changed (read the job again and redo the change)."""
+        changed (read the job again and redo the change).
+
+        A request sent again after its connection broke (``reconnect``) may meet its own
+        earlier attempt: with ``if_version``, a ``conflict`` then is checked, and when the job
+        is at ``if_version + 1`` holding the changes the result is that job (the change
+        was made, once); without it, the merge may be applied twice (one more version, the
+        same spec)."""
         args: dict[str, Any] = {"id": job_id, "changes": changes}
         if if_version is not None:
             args["if_version"] = if_version
-        result: dict[str, Any] = await self.request("job.update", args)
+        sent_on: list[int] = []
+        try:
+            result: dict[str, Any] = await self.request("job.update", args, sent_on=sent_on)
+        except RemoteError as exc:
+            if exc.code != "conflict" or if_version is None or len(sent_on) < 2:
+                raise
+            # Sent again after a broken connection: the earlier attempt may be what moved the
+            # job past ``if_version`` (found by the sixth adversarial pass: ``conflict``,
+            # "nothing changed", for an update that was applied). It was if the job is at the
+            # very next version and holds the changes.
+            try:
+                job = await self.get(job_id)
+            except ClientError:
+                raise exc from None
+            stored = job.pop("spec", None)
+            if job.get("version") != if_version + 1 or not isinstance(stored, dict):
+                raise
+            merged = {**stored, **{k: v for k, v in changes.items() if k != "replace"}}
+            if not same_spec(merged, stored):
+                raise
+            return job
         return result
 
     async def cancel(self, job_id: str, *, stop_running: bool = False) -> dict[str, Any]:
-        result: dict[str, Any] = await self.request(
-            "job.cancel", {"id": job_id, "stop_running": stop_running}
-        )
+        """Cancel the job (``stop_running``: its runs held by workers too).
+
+        ``not_found`` when no such job exists, or it was cancelled already; with one
+        exception: when this very request was sent again on a new connection (an earlier
+        attempt was written to a connection that broke before its reply) and the id names a
+        job that was cancelled, the earlier attempt may have been the cancel, and the result
+        is ``{"job_id", "cancelled": True}``: the job is cancelled, as asked (found by the
+        sixth adversarial pass: the retry answered ``not_found`` for the job it cancelled).
+        """
+        sent_on: list[int] = []
+        try:
+            result: dict[str, Any] = await self.request(
+                "job.cancel", {"id": job_id, "stop_running": stop_running}, sent_on=sent_on
+            )
+        except RemoteError as exc:
+            if exc.code != "not_found" or len(sent_on) < 2:
+                raise
+            try:
+                # A cancelled job keeps its history; an id that never was a job has none.
+                await self.request("run.history", {"job_id": job_id, "last": 1})
+            except ClientError:
+                raise exc from None
+            return {"job_id": job_id, "cancelled": True}
         return result
 
     async def pause(self, job_id: str) -> dict[str, Any]:
