@@ -256,3 +256,18 @@ def test_a_cancel_whose_reply_was_lost_reports_the_job_cancelled(tmp_path: Path)
         assert missing.value.code == "not_found"
 
     run_with_proxy(tmp_path, body)
+
+
+def test_a_plain_update_whose_reply_was_lost_is_applied_once(tmp_path: Path) -> None:
+    async def body(client: Client, direct: Client, proxy: Proxy) -> None:
+        await direct.create({"id": "p", **SPEC_MINE})
+        proxy.lose_reply_of = b"job.update"
+        job = await client.update("p", {"timeout": "90m"})
+        assert client.generation == 2
+        assert job["job_id"] == "p" and job["version"] == 2 and "spec" not in job
+        stored = await direct.get("p")
+        assert stored["version"] == 2 and stored["spec"]["timeout"] == "1h30m"
+        # a plain update on a live connection still makes its version
+        assert (await client.update("p", {"timeout": "5m"}))["version"] == 3
+
+    run_with_proxy(tmp_path, body)
