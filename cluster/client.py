@@ -105,6 +105,14 @@ def same_spec(sent: dict[str, Any], stored: dict[str, Any]) -> bool:
         return False
 
 
+def _holds(stored: dict[str, Any], changes: dict[str, Any]) -> bool:
+    """Whether the job ``stored`` (a normalized spec) already holds ``changes`` (an update's
+    top-level keys): applying them would change nothing (``replace`` is reset by every
+    update, so it is not compared)."""
+    merged = {**stored, **{k: v for k, v in changes.items() if k != "replace"}}
+    return same_spec(merged, stored)
+
+
 def parse_address(text: str) -> tuple[str, int]:
     """``HOST:PORT`` -> (host, port); raises :class:`ClientError` on anything else."""
     host, sep, port = text.rpartition(":")
@@ -344,6 +352,7 @@ class Client:
         *,
         timeout_s: float | None = None,
         sent_on: list[int] | None = None,
+        retry: bool = True,
     ) -> Any:
         """Send ``op`` and wait for its result.
 
@@ -352,6 +361,8 @@ class Client:
         its job is reported by :meth:`create` as the job). ``sent_on``, when given, gets the
         :attr:`generation` of each connection the request was written to: more than one
         entry means an earlier attempt may have reached the node before its connection broke.
+        ``retry`` False: a broken connection raises :class:`ConnectionLost` at once instead
+        (for a caller that decides itself what a second attempt should be).
         Raises :class:`RemoteError`, :class:`RequestTimeout`, :class:`ConnectionLost`.
         """
         deadline = trio.current_time() + (timeout_s or self.timeout_s)
@@ -364,7 +375,7 @@ class Client:
                     f"{op}: no reply within {timeout_s or self.timeout_s} s"
                 ) from None
             except ConnectionLost:
-                if not self.reconnect or self._closed:
+                if not retry or not self.reconnect or self._closed:
                     raise
                 if trio.current_time() >= deadline:
                     raise
@@ -504,8 +515,34 @@ class Client:
             else s
             for s in specs
         ]
-        result = await self.request("job.create_many", {"specs": specs})
-        return list(result["results"])
+        sent_on: list[int] = []
+        result = await self.request("job.create_many", {"specs": specs}, sent_on=sent_on)
+        results = list(result["results"])
+        if len(sent_on) < 2:
+            return results
+        # The batch was written to a connection that broke before its reply, then sent again
+        # with the same ids: an ``exists`` may be this very batch's earlier attempt, as in
+        # :meth:`create` (found by the sixth adversarial pass: every spec of a batch that
+        # succeeded was reported ``exists``). Asked one by one: this is the rare path.
+        for i, (spec, entry) in enumerate(zip(specs, results, strict=True)):
+            error = entry.get("error") if not entry.get("ok") else None
+            if not isinstance(error, dict) or error.get("code") != "exists":
+                continue
+            if not isinstance(spec, dict) or not isinstance(spec.get("id"), str):
+                continue
+            if any(
+                s is not spec and isinstance(s, dict) and s.get("id") == spec["id"]
+                for s in specs[:i]
+            ):
+                continue  # an earlier spec of this batch has the id: this one's is real
+            try:
+                job = await self.get(spec["id"])
+            except ClientError:
+                continue
+            stored = job.pop("spec", None)
+            if isinstance(stored, dict) and same_spec(spec, stored):
+                results[i] = {"ok": True, "result": job}
+        return results
 
     async def update(
         self, job_id: str, changes: dict[str, Any], *, if_version: int | None = None
@@ -513,17 +550,103 @@ class Client:
         """Merge ``changes`` into the job (a new version). Concurrent updates of one job each
         count (the node merges into the current version). With ``if_version``, only if that
         is the job's current version: else :class:`RemoteError` ``conflict``, nothing
-        changed (read the job again and redo the change)."""
+        changed (read the job again and redo the change).
+
+        A request sent again after its connection broke (``reconnect``) may meet its own
+        earlier attempt: with ``if_version``, a ``conflict`` then is checked, and when the job
+        is at ``if_version + 1`` holding the changes the result is that job (the change
+        was made, once). Without it, the job is read back first: if it holds the changes
+        already, that is the result (no second version); else the change is sent again with
+        ``if_version`` of what was read, and read again on a ``conflict``. (Before, the
+        merge was applied twice: one more version, owed times skipped as ``updated`` again,
+        an ``every`` without ``start`` restarted; the sixth adversarial pass.) Only an
+        earlier attempt still on its way to the node while the job is read back can still
+        land after the retry."""
         args: dict[str, Any] = {"id": job_id, "changes": changes}
-        if if_version is not None:
-            args["if_version"] = if_version
-        result: dict[str, Any] = await self.request("job.update", args)
+        if if_version is None:
+            return await self._update_merging(job_id, changes)
+        args["if_version"] = if_version
+        sent_on: list[int] = []
+        try:
+            result: dict[str, Any] = await self.request("job.update", args, sent_on=sent_on)
+        except RemoteError as exc:
+            if exc.code != "conflict" or len(sent_on) < 2:
+                raise
+            # Sent again after a broken connection: the earlier attempt may be what moved the
+            # job past ``if_version`` (found by the sixth adversarial pass: ``conflict``,
+            # "nothing changed", for an update that was applied). It was if the job is at the
+            # very next version and holds the changes.
+            try:
+                job = await self.get(job_id)
+            except ClientError:
+                raise exc from None
+            stored = job.pop("spec", None)
+            if job.get("version") != if_version + 1 or not isinstance(stored, dict):
+                raise
+            if not _holds(stored, changes):
+                raise
+            return job
         return result
 
+    async def _update_merging(self, job_id: str, changes: dict[str, Any]) -> dict[str, Any]:
+        """:meth:`update` without ``if_version``: sent once; after a broken connection (its
+        earlier attempt may have been applied), read back and sent with ``if_version``."""
+        args: dict[str, Any] = {"id": job_id, "changes": changes}
+        deadline = trio.current_time() + self.timeout_s
+        try:
+            result: dict[str, Any] = await self.request("job.update", args, retry=False)
+            return result
+        except ConnectionLost:
+            if not self.reconnect or self._closed:
+                raise
+        while True:
+            left = deadline - trio.current_time()
+            if left <= 0:
+                raise RequestTimeout(f"job.update: no reply within {self.timeout_s} s")
+            job = await self.request("job.get", {"id": job_id}, timeout_s=left)
+            stored = job.pop("spec", None)
+            if isinstance(stored, dict) and _holds(stored, changes):
+                return dict(job)  # the earlier attempt made the change (or nothing was to do)
+            try:
+                again: dict[str, Any] = await self.request(
+                    "job.update",
+                    {**args, "if_version": job["version"]},
+                    timeout_s=max(deadline - trio.current_time(), 0.001),
+                    retry=False,
+                )
+                return again
+            except ConnectionLost:
+                if not self.reconnect or self._closed:
+                    raise
+            except RemoteError as exc:
+                if exc.code != "conflict":
+                    raise
+            # changed meanwhile (the earlier attempt landing late, or someone else): look again
+
     async def cancel(self, job_id: str, *, stop_running: bool = False) -> dict[str, Any]:
-        result: dict[str, Any] = await self.request(
-            "job.cancel", {"id": job_id, "stop_running": stop_running}
-        )
+        """Cancel the job (``stop_running``: its runs held by workers too).
+
+        ``not_found`` when no such job exists, or it was cancelled already; with one
+        exception: when this very request was sent again on a new connection (an earlier
+        attempt was written to a connection that broke before its reply) and the id names a
+        job that was cancelled, the earlier attempt may have been the cancel, and the result
+        is ``{"job_id", "cancelled": True}``: the job is cancelled, as asked (found by the
+        sixth adversarial pass: the retry answered ``not_found`` for the job it cancelled).
+        """
+        sent_on: list[int] = []
+        try:
+            result: dict[str, Any] = await self.request(
+                "job.cancel", {"id": job_id, "stop_running": stop_running}, sent_on=sent_on
+            )
+        except RemoteError as exc:
+            if exc.code != "not_found" or len(sent_on) < 2:
+                raise
+            try:
+                # A cancelled job keeps its history; an id that never was a job has none.
+                await self.request("run.history", {"job_id": job_id, "last": 1})
+            except ClientError:
+                raise exc from None
+            return {"job_id": job_id, "cancelled": True}
         return result
 
     async def pause(self, job_id: str) -> dict[str, Any]:
