@@ -364,6 +364,12 @@ class Client:
         ``retry`` False: a broken connection raises :class:`ConnectionLost` at once instead
         (for a caller that decides itself what a second attempt should be).
         Raises :class:`RemoteError`, :class:`RequestTimeout`, :class:`ConnectionLost`.
+
+        A request the caller cancels (a Trio cancel scope), or that times out, may still be
+        applied: its frame is written as soon as it is made, before the first checkpoint, and
+        the node cannot tell a request nobody waits for any more. Its outcome is unknown, as
+        after a lost reply: read the state back before repeating a change (a create of the
+        same id sent again may answer ``exists`` for the job the cancelled one made).
         """
         deadline = trio.current_time() + (timeout_s or self.timeout_s)
         while True:

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Final
 
-from engine.errors import EngineUsageError, JobSpecError, PolicyRecordError
+from engine.errors import EngineUsageError, JobSpecError, PolicyRecordError, ScheduleError
 from engine.schedules import Schedule, format_duration, parse_duration, parse_schedule
 
 __all__ = [
@@ -1047,8 +1047,26 @@ _SCHEDULES: dict[tuple[tuple[str, str], ...], Schedule] = {}
 _SCHEDULE_CACHE: Final = 4096
 
 
+#: Zone directories only a host's own zone files have (leap-second ``right/`` and ``posix/``
+#: copies): the ``tzdata`` package, what a node without system zone files loads, has neither.
+_HOST_ONLY_ZONE_DIRS: Final = ("right/", "posix/")
+
+
 def _schedule(raw: object, now_ms: int, job_id: str) -> Schedule:
-    """:func:`parse_schedule` of a job's schedule, kept per raw spec when it may be."""
+    """:func:`parse_schedule` of a job's schedule, kept per raw spec when it may be.
+
+    A new version (create, update) is also refused a zone only this host's files
+    have (:data:`_HOST_ONLY_ZONE_DIRS`): another node, or this one after an upgrade, might
+    not load it. (Checked here, not where stored schedules are loaded: a store that already
+    holds one must still recover.)"""
+    if type(raw) is dict:
+        tz = raw.get("tz")
+        if type(tz) is str and tz.startswith(_HOST_ONLY_ZONE_DIRS):
+            raise ScheduleError(
+                f"{tz!r} is a zone only this host's zone files have (not the tzdata package); "
+                f"use the IANA name {tz.split('/', 1)[1]!r}",
+                field="schedule.tz",
+            )
     if type(raw) is not dict or "jitter" in raw or ("every" in raw and "start" not in raw):
         return parse_schedule(raw, created_ms=now_ms, job_id=job_id)
     items = tuple(raw.items())

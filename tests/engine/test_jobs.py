@@ -5,6 +5,7 @@ round trip, updates, policy interning and persistence, job ids, retry delays, an
 from __future__ import annotations
 
 import random
+import zoneinfo
 from typing import Any
 
 import msgpack
@@ -584,6 +585,28 @@ def test_update_errors() -> None:
         apply_update(current, None, now_ms=NOW)  # type: ignore[arg-type]
     assert exc.value.field is None
     assert current == job()
+
+
+@pytest.mark.parametrize(
+    ("tz", "suggested"),
+    [("right/UTC", "'UTC'"), ("posix/Europe/Berlin", "'Europe/Berlin'")],
+)
+def test_a_zone_only_the_hosts_files_have_is_refused_for_new_versions(
+    tz: str, suggested: str
+) -> None:
+    """Found by the sixth adversarial pass: such a name loaded here, but the tzdata package
+    (a node without system zone files) has no ``right/`` or ``posix/`` copies."""
+    with pytest.raises(ScheduleError, match=suggested) as exc:
+        job(schedule={"cron": "0 * * * *", "tz": tz})
+    assert exc.value.field == "schedule.tz"
+    with pytest.raises(ScheduleError):
+        apply_update(job(), {"schedule": {"cron": "0 * * * *", "tz": tz}}, now_ms=NOW)
+    try:
+        zoneinfo.ZoneInfo(tz)
+    except zoneinfo.ZoneInfoNotFoundError:
+        return  # this host has no such files: nothing stored could name it either
+    # A store that already holds one (from before the check) still loads it.
+    assert parse_schedule({"cron": "0 * * * *", "tz": tz}).next_after(NOW) is not None
 
 
 # ------------------------------------------------------------------------------------------
