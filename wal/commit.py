@@ -273,3 +273,10 @@ class GroupCommitter:
                     self._on_group(tickets)
                 except Exception:  # like a ticket's callback: must not stop the writer
                     log.exception("group callback failed")
+            with mutex:
+                # What was queued without a wake-up (submit's wake=False) during this write
+                # is the next group's, kicked or not: without this the writer would sleep on
+                # it until a kick (found by review: submit's promise did not hold).
+                if queue and not self._signalled:
+                    self._signalled = True
+                    self._signal.release()
