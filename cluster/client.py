@@ -105,12 +105,35 @@ def same_spec(sent: dict[str, Any], stored: dict[str, Any]) -> bool:
         return False
 
 
-def _holds(stored: dict[str, Any], changes: dict[str, Any]) -> bool:
+def _holds(stored: dict[str, Any], changes: dict[str, Any], *, restart_held: bool) -> bool:
     """Whether the job ``stored`` (a normalized spec) already holds ``changes`` (an update's
     top-level keys): applying them would change nothing (``replace`` is reset by every
-    update, so it is not compared)."""
+    update, so it is not compared).
+
+    An ``every`` schedule without ``start`` in ``changes`` restarts the schedule at the time
+    the update is applied, which the stored spec cannot show: any stored start is taken as
+    that restart when ``restart_held`` (the caller knows from the version that the change
+    was applied, and asks only whether it was this one), never otherwise (a job that has
+    the period with its old start does not hold the restart)."""
+    schedule = changes.get("schedule")
+    if (
+        not restart_held
+        and isinstance(schedule, dict)
+        and "every" in schedule
+        and "start" not in schedule
+    ):
+        return False
     merged = {**stored, **{k: v for k, v in changes.items() if k != "replace"}}
     return same_spec(merged, stored)
+
+
+def _made_or_exists(entry: dict[str, Any]) -> bool:
+    """Whether a ``create_many`` entry created its job or met it (``exists``): an entry of
+    the same id after it meets the job too."""
+    if entry.get("ok"):
+        return True
+    error = entry.get("error")
+    return isinstance(error, dict) and error.get("code") == "exists"
 
 
 def parse_address(text: str) -> tuple[str, int]:
@@ -537,10 +560,14 @@ class Client:
             if not isinstance(spec, dict) or not isinstance(spec.get("id"), str):
                 continue
             if any(
-                s is not spec and isinstance(s, dict) and s.get("id") == spec["id"]
-                for s in specs[:i]
+                isinstance(s, dict) and s.get("id") == spec["id"] and _made_or_exists(results[j])
+                for j, s in enumerate(specs[:i])
             ):
-                continue  # an earlier spec of this batch has the id: this one's is real
+                # An earlier entry of this batch has the id and was not refused for itself:
+                # it created the job (or met it), so this entry met it too, on the first
+                # attempt as well; its ``exists`` is real. (Compared by id, not by object:
+                # the same spec object may stand twice in a batch.)
+                continue
             try:
                 job = await self.get(spec["id"])
             except ClientError:
@@ -567,7 +594,10 @@ class Client:
         merge was applied twice: one more version, owed times skipped as ``updated`` again,
         an ``every`` without ``start`` restarted; the sixth adversarial pass.) Only an
         earlier attempt still on its way to the node while the job is read back can still
-        land after the retry."""
+        land after the retry. A change that restarts an ``every`` schedule (no ``start``) is
+        never taken as made from the read-back, whose spec cannot show when it restarted: it
+        is sent again, and restarts the schedule once more if the earlier attempt had landed
+        (rather than reported made when it never was; found by the review of that pass)."""
         args: dict[str, Any] = {"id": job_id, "changes": changes}
         if if_version is None:
             return await self._update_merging(job_id, changes)
@@ -589,7 +619,7 @@ class Client:
             stored = job.pop("spec", None)
             if job.get("version") != if_version + 1 or not isinstance(stored, dict):
                 raise
-            if not _holds(stored, changes):
+            if not _holds(stored, changes, restart_held=True):
                 raise
             return job
         return result
@@ -611,7 +641,7 @@ class Client:
                 raise RequestTimeout(f"job.update: no reply within {self.timeout_s} s")
             job = await self.request("job.get", {"id": job_id}, timeout_s=left)
             stored = job.pop("spec", None)
-            if isinstance(stored, dict) and _holds(stored, changes):
+            if isinstance(stored, dict) and _holds(stored, changes, restart_held=False):
                 return dict(job)  # the earlier attempt made the change (or nothing was to do)
             try:
                 again: dict[str, Any] = await self.request(

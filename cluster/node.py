@@ -984,7 +984,7 @@ class _Kicker(trio.abc.Instrument):
 
     def before_io_wait(self, timeout: float) -> None:
         if self.node.kicks:
-            self.node.kick_committers()
+            self.node.kick_committers(in_loop=True)
 
 
 class Node:
@@ -1073,14 +1073,23 @@ class Node:
         finally:
             self.batching = 0
 
-    def kick_committers(self) -> None:
-        """Wake the writers of the batches queued without a wake-up (never raises)."""
+    def kick_committers(self, *, in_loop: bool = False) -> None:
+        """Wake the writers of the batches queued without a wake-up (never raises).
+
+        ``in_loop``: called by the kicker, from Trio's loop itself, which has already chosen
+        how long its coming wait for I/O lasts: a shard's failure is then handed to the loop
+        (``run_sync_soon``, which also cuts that wait short) instead of worked through here,
+        where the replies and wake-ups it makes would wait for the next I/O or deadline
+        (found by review: a request waited for retention's next pass)."""
         hosts, self.kicks = self.kicks, {}
         for host in hosts:
             try:
                 host.committer.kick()
             except Exception as exc:  # a bug; the shard's batch would wait forever
-                host.fail_on_bug(exc, "waking its committer")
+                if in_loop:
+                    host.token.run_sync_soon(host.fail_on_bug, exc, "waking its committer")
+                else:
+                    host.fail_on_bug(exc, "waking its committer")
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -259,6 +259,15 @@ class GroupCommitter:
             except Exception as exc:  # a bug, not the disk; still, nobody may wait forever
                 log.exception("group commit failed unexpectedly")
                 error = StoreIOError(f"group commit failed: {exc!r}", path=self.store.path)
+            with mutex:
+                # What was queued without a wake-up (submit's wake=False) since the group was
+                # taken is the next group's, kicked or not: without this the writer slept on
+                # it until a kick (found by review: submit's promise did not hold). Checked
+                # before any ticket of this group resolves: a batch submitted after one did
+                # (an idle writer's) waits for its kick, as promised.
+                if queue and not self._signalled:
+                    self._signalled = True
+                    self._signal.release()
             self.groups += 1
             tickets = [ticket for _, ticket in group]
             if error is not None:

@@ -27,12 +27,14 @@ class Proxy:
     connection instead of passing its reply on; set to ``"drop"`` breaks the connection
     without forwarding it, after awaiting ``before_drop``. ``lose_reply_of`` set to an op's
     name (bytes) forwards the next request holding it and breaks the connection instead of
-    passing its reply on."""
+    passing its reply on; ``drop_of`` set to an op's name breaks the connection instead of
+    forwarding the next request holding it."""
 
     def __init__(self, target: int) -> None:
         self.target = target
         self.on_create: str | None = None
         self.lose_reply_of: bytes | None = None
+        self.drop_of: bytes | None = None
         self.before_drop: Callable[[], Awaitable[None]] | None = None
         self.cut = trio.Event()
         self.scopes: list[trio.CancelScope] = []
@@ -57,6 +59,10 @@ class Proxy:
                 if b"job.create" in data and self.on_create == "lose_reply":
                     self.on_create = None
                     lose_next_reply = True
+                if self.drop_of is not None and self.drop_of in data:
+                    self.drop_of = None
+                    scope.cancel()
+                    return
                 if self.lose_reply_of is not None and self.lose_reply_of in data:
                     self.lose_reply_of = None
                     lose_next_reply = True
@@ -269,5 +275,65 @@ def test_a_plain_update_whose_reply_was_lost_is_applied_once(tmp_path: Path) -> 
         assert stored["version"] == 2 and stored["spec"]["timeout"] == "1h30m"
         # a plain update on a live connection still makes its version
         assert (await client.update("p", {"timeout": "5m"}))["version"] == 3
+
+    run_with_proxy(tmp_path, body)
+
+
+# Found by the review of the sixth pass's fixes.
+
+
+def test_a_create_many_naming_one_spec_twice_still_reports_the_second_exists(
+    tmp_path: Path,
+) -> None:
+    """The same spec object twice in one batch: its second entry was ``exists`` on the first
+    attempt (the first entry created the job), and must stay so after a retry (the check
+    for an earlier entry of the same id skipped entries that were the same object)."""
+
+    async def body(client: Client, direct: Client, proxy: Proxy) -> None:
+        twice = {"id": "twice", **SPEC_MINE}
+        proxy.lose_reply_of = b"job.create_many"
+        results = await client.create_many([twice, twice])
+        assert client.generation == 2
+        assert results[0]["ok"] and results[0]["result"]["job_id"] == "twice"
+        assert not results[1]["ok"] and results[1]["error"]["code"] == "exists"
+
+    run_with_proxy(tmp_path, body)
+
+
+def test_a_plain_update_restarting_an_every_schedule_is_made_after_a_lost_connection(
+    tmp_path: Path,
+) -> None:
+    """An ``every`` without ``start`` restarts the schedule at the update's time. Its first
+    attempt lost with its connection before the node had it, the read-back job already had
+    that period (with its old start): the client took that for the change made and reported
+    success for an update never applied."""
+
+    async def body(client: Client, direct: Client, proxy: Proxy) -> None:
+        old = {"every": "1h", "start": "2020-01-01T00:00:00Z"}
+        await direct.create({"id": "r", "schedule": old, "task": {"shell": "true"}})
+        proxy.drop_of = b"job.update"
+        job = await client.update("r", {"schedule": {"every": "1h"}})
+        assert client.generation == 2
+        stored = await direct.get("r")
+        assert stored["spec"]["schedule"]["start"] != old["start"]  # restarted: made
+        assert job["version"] == stored["version"] == 2
+
+    run_with_proxy(tmp_path, body)
+
+
+def test_a_create_many_entry_after_a_refused_one_of_its_id_reports_its_create(
+    tmp_path: Path,
+) -> None:
+    """An earlier entry of the same id that was refused for itself (a bad spec) made no job:
+    the later entry's create was this batch's, and its ``exists`` after the retry is its own
+    earlier attempt."""
+
+    async def body(client: Client, direct: Client, proxy: Proxy) -> None:
+        bad = {"id": "later", "schedule": {"at": "not a time"}, "task": {"shell": "true"}}
+        proxy.lose_reply_of = b"job.create_many"
+        results = await client.create_many([bad, {"id": "later", **SPEC_MINE}])
+        assert client.generation == 2
+        assert not results[0]["ok"] and results[0]["error"]["code"] != "exists"
+        assert results[1]["ok"] and results[1]["result"]["job_id"] == "later"
 
     run_with_proxy(tmp_path, body)

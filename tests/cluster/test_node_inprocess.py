@@ -642,3 +642,53 @@ def test_a_lone_create_wakes_the_writer_only_when_the_loop_waits(
         assert True in submitted  # with others in flight: woken at once
 
     run_with_node(tmp_path, body)
+
+
+def test_a_kick_that_fails_stops_its_shard_without_stalling_the_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug in waking a committer (its kick raises) stops that shard, and the requests
+    waiting on it are answered with the failure at once. Found by review: the failure was
+    worked through inside the kicker, after Trio's loop had chosen how long its coming wait
+    for I/O would last, so the replies made there waited for the next I/O or deadline
+    (retention's, 30 s here). The client runs its own Trio loop in a thread, so that the
+    node's loop has nothing else to do meanwhile."""
+    from wal.commit import GroupCommitter
+
+    armed: list[bool] = []
+    real_kick = GroupCommitter.kick
+
+    def kick(self: GroupCommitter) -> None:
+        if armed:
+            raise RuntimeError("a bug in kick")
+        real_kick(self)
+
+    monkeypatch.setattr(GroupCommitter, "kick", kick)
+    codes: list[str] = []
+
+    def client_side(port: int) -> None:
+        async def ask() -> None:
+            async with Client.connect("127.0.0.1", port) as client:
+                # A job due sooner: the shard's loop then sleeps past the next create's
+                # time, so that create does not wake it (nothing else runnable then).
+                await client.create(
+                    {"id": "sooner", "schedule": soon(1800), "task": {"shell": "true"}}
+                )
+                armed.append(True)
+                with trio.fail_after(10), pytest.raises(RemoteError) as failed:
+                    spec = {"id": "kicked", "schedule": soon(3600), "task": {"shell": "true"}}
+                    await client.create(spec)
+                codes.append(failed.value.code)
+
+        trio.run(ask)
+
+    async def main() -> None:
+        node = Node(tmp_path / "data", shards=1, retain_every_s=30.0)
+        with trio.fail_after(50):
+            async with trio.open_nursery() as nursery:
+                port = await nursery.start(node.run)
+                await trio.to_thread.run_sync(client_side, port)
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert codes == ["shard_failed"]

@@ -85,9 +85,16 @@ class CountingStore(ShardStore):
     """A real store that remembers how many batches each write covered."""
 
     writes: list[int]
+    # Set both to hold the writer inside its next write: ``entered`` is set there, and the
+    # write goes on once ``gate`` is.
+    entered: threading.Event | None = None
+    gate: threading.Event | None = None
 
     def write_prepared(self, prepared: list[PreparedBatch]) -> list[int]:  # type: ignore[override]
         self.writes.append(len(prepared))
+        if self.entered is not None and self.gate is not None:
+            self.entered.set()
+            self.gate.wait(10)
         return super().write_prepared(prepared)
 
 
@@ -261,4 +268,21 @@ def test_a_batch_queued_without_a_wake_waits_for_its_kick(tmp_path: Path) -> Non
         woken = committer.submit(created(2))
         behind = committer.submit(created(3), wake=False)
         assert woken.wait(10) < behind.wait(10)
+    store.close()
+
+
+def test_a_batch_queued_unwoken_during_a_write_is_taken_when_it_ends(tmp_path: Path) -> None:
+    """``submit(wake=False)`` while the writer is in a write: the writer takes the batch when
+    that write ends, with no kick (found by review: it slept on it until a kick, unlike what
+    ``submit`` promises; the test above passed only when the two batches happened to share
+    a group)."""
+    store = open_counting(tmp_path)
+    store.entered, store.gate = threading.Event(), threading.Event()
+    with GroupCommitter(store) as committer:
+        first = committer.submit(created(0))
+        assert store.entered.wait(10)  # the writer is in the write of ``first`` alone
+        behind = committer.submit(created(1), wake=False)
+        store.gate.set()
+        assert first.wait(10) < behind.wait(5)  # (never kicked)
+        assert store.writes == [1, 1]
     store.close()
