@@ -257,7 +257,7 @@ def trio_echo_rate(*, connections: int, max_s: float) -> tuple[float, float, flo
         port = ports.get(timeout=60)
 
         async def measure() -> tuple[int, float]:
-            streams = [await trio.open_tcp_stream("127.0.0.1", port) for _ in range(connections)]
+            streams: list[trio.SocketStream] = []
             done = 0
 
             async def lane(stream: trio.SocketStream, end: float) -> None:
@@ -269,14 +269,19 @@ def trio_echo_rate(*, connections: int, max_s: float) -> tuple[float, float, flo
                         raise RuntimeError("the echo server closed its side")
                     done += 1
 
-            start = time.perf_counter()
-            async with trio.open_nursery() as nursery:
+            try:
+                for _ in range(connections):
+                    streams.append(await trio.open_tcp_stream("127.0.0.1", port))
+                start = time.perf_counter()
+                async with trio.open_nursery() as nursery:
+                    for stream in streams:
+                        nursery.start_soon(lane, stream, start + max_s)
+                return done, time.perf_counter() - start
+            finally:
+                # Closed however the measurement ends, a failed one included (synchronously:
+                # a close must not wait in a cancelled scope).
                 for stream in streams:
-                    nursery.start_soon(lane, stream, start + max_s)
-            elapsed = time.perf_counter() - start
-            for stream in streams:
-                await stream.aclose()
-            return done, elapsed
+                    stream.socket.close()
 
         server_cpu0, client_cpu0 = process_cpu_s(server.pid or 0), time.process_time()
         done, elapsed = trio.run(measure)
