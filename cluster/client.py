@@ -127,13 +127,22 @@ def _holds(stored: dict[str, Any], changes: dict[str, Any], *, restart_held: boo
     return same_spec(merged, stored)
 
 
-def _made_or_exists(entry: dict[str, Any]) -> bool:
-    """Whether a ``create_many`` entry created its job or met it (``exists``): an entry of
-    the same id after it meets the job too."""
-    if entry.get("ok"):
-        return True
+def _is_exists(entry: dict[str, Any]) -> bool:
+    """Whether a ``create_many`` entry was refused as ``exists``."""
     error = entry.get("error")
-    return isinstance(error, dict) and error.get("code") == "exists"
+    return not entry.get("ok") and isinstance(error, dict) and error.get("code") == "exists"
+
+
+async def created_as_sent(client: Client, spec: dict[str, Any]) -> dict[str, Any] | None:
+    """The job ``spec["id"]`` names, as ``client.get`` describes it less its spec, when the
+    stored spec is ``spec`` (:func:`same_spec`): a create of ``spec`` was applied (by an
+    earlier attempt whose reply was lost, say); None when another spec is stored. Raises
+    :class:`ClientError` when the job cannot be read (``not_found`` among them). What every
+    retried create decides an ``exists`` by (:meth:`Client.create`,
+    :meth:`Client.create_many`, ``submit --file``)."""
+    job = await client.get(spec["id"])
+    stored = job.pop("spec", None)
+    return job if isinstance(stored, dict) and same_spec(spec, stored) else None
 
 
 def parse_address(text: str) -> tuple[str, int]:
@@ -525,11 +534,10 @@ class Client:
             if exc.code != "exists" or len(sent_on) < 2:
                 raise
             try:
-                job = await self.get(spec["id"])
+                job = await created_as_sent(self, spec)
             except ClientError:
                 raise exc from None
-            stored = job.pop("spec", None)
-            if not isinstance(stored, dict) or not same_spec(spec, stored):
+            if job is None:
                 raise
             return job  # our own create, whose reply was lost with its connection
         return result
@@ -553,27 +561,23 @@ class Client:
         # with the same ids: an ``exists`` may be this very batch's earlier attempt, as in
         # :meth:`create` (found by the sixth adversarial pass: every spec of a batch that
         # succeeded was reported ``exists``). Asked one by one: this is the rare path.
+        # Per id: whether an earlier entry of this batch created its job or met it (was not
+        # refused for itself); then this entry met it too, on the first attempt as well, and
+        # its ``exists`` is real. (By id, not by object: one spec object may stand twice.)
+        met_earlier: dict[str, bool] = {}
         for i, (spec, entry) in enumerate(zip(specs, results, strict=True)):
-            error = entry.get("error") if not entry.get("ok") else None
-            if not isinstance(error, dict) or error.get("code") != "exists":
+            job_id = spec.get("id") if isinstance(spec, dict) else None
+            if not isinstance(job_id, str):
                 continue
-            if not isinstance(spec, dict) or not isinstance(spec.get("id"), str):
-                continue
-            if any(
-                isinstance(s, dict) and s.get("id") == spec["id"] and _made_or_exists(results[j])
-                for j, s in enumerate(specs[:i])
-            ):
-                # An earlier entry of this batch has the id and was not refused for itself:
-                # it created the job (or met it), so this entry met it too, on the first
-                # attempt as well; its ``exists`` is real. (Compared by id, not by object:
-                # the same spec object may stand twice in a batch.)
+            met = met_earlier.get(job_id, False)
+            met_earlier[job_id] = met or bool(entry.get("ok")) or _is_exists(entry)
+            if met or not _is_exists(entry):
                 continue
             try:
-                job = await self.get(spec["id"])
+                job = await created_as_sent(self, spec)
             except ClientError:
                 continue
-            stored = job.pop("spec", None)
-            if isinstance(stored, dict) and same_spec(spec, stored):
+            if job is not None:
                 results[i] = {"ok": True, "result": job}
         return results
 
@@ -598,10 +602,9 @@ class Client:
         never taken as made from the read-back, whose spec cannot show when it restarted: it
         is sent again, and restarts the schedule once more if the earlier attempt had landed
         (rather than reported made when it never was; found by the review of that pass)."""
-        args: dict[str, Any] = {"id": job_id, "changes": changes}
         if if_version is None:
             return await self._update_merging(job_id, changes)
-        args["if_version"] = if_version
+        args = {"id": job_id, "changes": changes, "if_version": if_version}
         sent_on: list[int] = []
         try:
             result: dict[str, Any] = await self.request("job.update", args, sent_on=sent_on)

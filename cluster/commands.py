@@ -452,7 +452,7 @@ async def submit_lines(
     same ids: it can never create a job twice. On such a repeat, ``exists`` means the earlier
     attempt may have created the job: for an id made here (random, nobody else has it) it did;
     for an id the file gave, it counts as created only when the stored job is the spec sent
-    (:func:`cluster.client.same_spec`, as :meth:`Client.create` decides) and no earlier line
+    (:func:`cluster.client.created_as_sent`, as :meth:`Client.create` decides) and no earlier line
     of the file has that id; otherwise it stays the ``exists`` error. A batch that never got
     a reply leaves its lines ``unconfirmed``; when no batch has been answered for ``stall_s``
     (the node is gone), the batches not yet answered stop trying, and those never sent say
@@ -463,7 +463,7 @@ async def submit_lines(
     batch's size when it is done. Never raises the client's errors: every line says what
     became of it (found by a review: one oversized batch ended the command with a traceback
     and no word of the 2,000 jobs the other batches had created)."""
-    from cluster.client import RequestNotSendable, RequestTimeout, same_spec
+    from cluster.client import RequestNotSendable, RequestTimeout, created_as_sent
     from engine.jobs import new_job_id
 
     now = _now_ms()
@@ -485,10 +485,9 @@ async def submit_lines(
         if first_line_of.get(line.job_id) != line.number:
             return False  # a repeated id: the file's earlier line is the one that created it
         try:
-            stored = (await client.get(line.job_id)).get("spec")
+            return await created_as_sent(client, line.spec) is not None
         except ClientError:
             return None
-        return isinstance(stored, dict) and same_spec(line.spec, stored)
 
     answered_at = trio.current_time()  # the last answer to any batch
 

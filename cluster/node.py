@@ -1440,11 +1440,6 @@ class Node:
             if stored is None:
                 raise JobNotFound(f"no job {job_id!r}", field="id")
             base = stored.version
-            if if_version is not None and base > if_version:
-                raise VersionConflict(
-                    f"job {job_id!r} is at version {base}, not {if_version}",
-                    field="if_version",
-                )
             if if_version is None or base == if_version:
                 current = validate_job(stored.spec, now_ms=wall_ms())
                 spec = apply_update(current, args["changes"], now_ms=wall_ms())
@@ -1455,7 +1450,8 @@ class Node:
                     or trio.current_time() > deadline
                 ):
                     return _job_result(_unwrap(reply))
-            elif trio.current_time() > deadline:  # the store never reached if_version
+            elif base > if_version or trio.current_time() > deadline:
+                # Past the caller's version, or the store never reached it.
                 raise VersionConflict(
                     f"job {job_id!r} is at version {base}, not {if_version}",
                     field="if_version",

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from engine.errors import EngineUsageError, JobSpecError, PolicyRecordError, ScheduleError
+from engine.memo import remember
 from engine.schedules import Schedule, format_duration, parse_duration, parse_schedule
 
 __all__ = [
@@ -597,9 +598,7 @@ class Policy:
         """
         cached = _POLICY_DICTS.get(self)
         if cached is None:
-            if len(_POLICY_DICTS) >= _POLICY_DICT_CACHE:
-                _POLICY_DICTS.clear()
-            cached = _POLICY_DICTS[self] = self._render()
+            cached = remember(_POLICY_DICTS, self, self._render(), _POLICY_DICT_CACHE)
         out = dict(cached)
         out["retries"] = dict(cached["retries"])  # type: ignore[call-overload]
         return out
@@ -772,10 +771,7 @@ def _parse_policy_cached(spec: Mapping[str, object]) -> Policy:
         key = tuple((k, _policy_key_part(spec[k])) for k in POLICY_KEYS if k in spec)
     policy = _PARSED_POLICIES.get(key)
     if policy is None:
-        policy = _parse_policy(spec)
-        if len(_PARSED_POLICIES) >= _POLICY_DICT_CACHE:
-            _PARSED_POLICIES.clear()
-        _PARSED_POLICIES[key] = policy
+        policy = remember(_PARSED_POLICIES, key, _parse_policy(spec), _POLICY_DICT_CACHE)
     return policy
 
 
@@ -1075,10 +1071,12 @@ def _schedule(raw: object, now_ms: int, job_id: str) -> Schedule:
             return parse_schedule(raw, created_ms=now_ms, job_id=job_id)
     schedule = _SCHEDULES.get(items)
     if schedule is None:
-        schedule = parse_schedule(raw, created_ms=now_ms, job_id=job_id)
-        if len(_SCHEDULES) >= _SCHEDULE_CACHE:
-            _SCHEDULES.clear()
-        _SCHEDULES[items] = schedule
+        schedule = remember(
+            _SCHEDULES,
+            items,
+            parse_schedule(raw, created_ms=now_ms, job_id=job_id),
+            _SCHEDULE_CACHE,
+        )
     return schedule
 
 

@@ -23,6 +23,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 from cronsim import CronSim, CronSimError
 
 from engine.errors import EngineUsageError, ScheduleError
+from engine.memo import remember
 
 __all__ = [
     "MAX_INSTANT_MS",
@@ -159,9 +160,7 @@ def parse_duration(
     if total > MAX_DURATION_MS:
         raise error(f"duration {text!r} is longer than 100 years", field=field)
     if type(text) is str:  # not a str subclass: its own equality could differ
-        if len(_PARSED_DURATIONS) >= _DURATION_CACHE_LIMIT:
-            _PARSED_DURATIONS.clear()
-        _PARSED_DURATIONS[text] = total
+        remember(_PARSED_DURATIONS, text, total, _DURATION_CACHE_LIMIT)
     return total
 
 
@@ -184,9 +183,7 @@ def format_duration(ms: int) -> str:
             parts.append(f"{amount}{unit}")
     text = "".join(parts)
     if type(value) is int:  # a bool or float would share an int's dict slot
-        if len(_DURATION_TEXTS) >= _DURATION_CACHE_LIMIT:
-            _DURATION_TEXTS.clear()
-        _DURATION_TEXTS[value] = text
+        remember(_DURATION_TEXTS, value, text, _DURATION_CACHE_LIMIT)
     return text
 
 
@@ -255,10 +252,12 @@ def format_utc(ms: int) -> str:
             ytext = f"{year:04d}"
         else:
             ytext = f"{'+' if year > 0 else '-'}{abs(year):06d}"
-        text = f"{ytext}-{month:02d}-{day:02d}T{hour:02d}:{minute:02d}:{second:02d}"
-        if len(_UTC_TEXT) >= _UTC_TEXT_LIMIT:
-            _UTC_TEXT.clear()
-        _UTC_TEXT[seconds] = text
+        text = remember(
+            _UTC_TEXT,
+            seconds,
+            f"{ytext}-{month:02d}-{day:02d}T{hour:02d}:{minute:02d}:{second:02d}",
+            _UTC_TEXT_LIMIT,
+        )
     return f"{text}.{milli:03d}Z" if milli else text + "Z"
 
 

@@ -96,6 +96,7 @@ from engine.jobs import (
     stored_policy,
     validate_job,
 )
+from engine.memo import remember
 from engine.records import ACCT_EXHAUSTED, Record
 from engine.runs import (
     FINAL_VALUES,
@@ -218,10 +219,7 @@ def _snapshot_policy(stored: Mapping[str, Any]) -> Policy:
     text = repr(stored)
     policy = _SNAPSHOT_POLICIES.get(text)
     if policy is None:
-        policy = parse_policy(stored)
-        if len(_SNAPSHOT_POLICIES) >= _SNAPSHOT_CACHE_LIMIT:
-            _SNAPSHOT_POLICIES.clear()
-        _SNAPSHOT_POLICIES[text] = policy
+        policy = remember(_SNAPSHOT_POLICIES, text, parse_policy(stored), _SNAPSHOT_CACHE_LIMIT)
     return policy
 
 
@@ -234,10 +232,12 @@ def _stored_schedule(
     key = (repr(stored), jitter_id)
     schedule = _STORED_SCHEDULES.get(key)
     if schedule is None:
-        schedule = parse_schedule(stored, created_ms=created_ms, job_id=jitter_id)
-        if len(_STORED_SCHEDULES) >= _SNAPSHOT_CACHE_LIMIT:
-            _STORED_SCHEDULES.clear()
-        _STORED_SCHEDULES[key] = schedule
+        schedule = remember(
+            _STORED_SCHEDULES,
+            key,
+            parse_schedule(stored, created_ms=created_ms, job_id=jitter_id),
+            _SNAPSHOT_CACHE_LIMIT,
+        )
     return schedule
 
 
@@ -1133,9 +1133,7 @@ class ShardEngine:
         if profile is not None:
             return self._intern(profile)
         pid = self._stored_profile_parsed(spec)
-        if len(_STORED_PROFILES) >= _STORED_PROFILE_LIMIT:
-            _STORED_PROFILES.clear()
-        _STORED_PROFILES[text] = self._profiles[pid]
+        remember(_STORED_PROFILES, text, self._profiles[pid], _STORED_PROFILE_LIMIT)
         return pid
 
     def _stored_profile_parsed(self, spec: Mapping[str, Any]) -> int:

@@ -216,6 +216,11 @@ class GroupCommitter:
     def kick(self) -> None:
         """Wake the writer if batches wait for it (those :meth:`submit` queued with
         ``wake=False``). Thread-safe; cheap when there is nothing to do."""
+        self._wake_if_queued()
+
+    def _wake_if_queued(self) -> None:
+        """:meth:`kick`'s work, also done by the writer itself after each write (which is no
+        caller's kick)."""
         with self._mutex:
             if self._queue and not self._signalled:
                 self._signalled = True
@@ -259,15 +264,12 @@ class GroupCommitter:
             except Exception as exc:  # a bug, not the disk; still, nobody may wait forever
                 log.exception("group commit failed unexpectedly")
                 error = StoreIOError(f"group commit failed: {exc!r}", path=self.store.path)
-            with mutex:
-                # What was queued without a wake-up (submit's wake=False) since the group was
-                # taken is the next group's, kicked or not: without this the writer slept on
-                # it until a kick (found by review: submit's promise did not hold). Checked
-                # before any ticket of this group resolves: a batch submitted after one did
-                # (an idle writer's) waits for its kick, as promised.
-                if queue and not self._signalled:
-                    self._signalled = True
-                    self._signal.release()
+            # What was queued without a wake-up (submit's wake=False) since the group was
+            # taken is the next group's, kicked or not: without this the writer slept on it
+            # until a kick (found by review: submit's promise did not hold). Kicked before any
+            # ticket of this group resolves: a batch submitted after one did (an idle
+            # writer's) waits for its kick, as promised.
+            self._wake_if_queued()
             self.groups += 1
             tickets = [ticket for _, ticket in group]
             if error is not None:
