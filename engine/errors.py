@@ -9,11 +9,13 @@ and, where one input field is to blame, the dotted ``field`` name.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 
 class EngineError(Exception):
     """Root of every exception raised by ``engine``."""
 
-    code: str = "engine_error"
+    code: ClassVar[str] = "engine_error"
 
     def __init__(self, message: str, *, field: str | None = None) -> None:
         super().__init__(message)

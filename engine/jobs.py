@@ -198,7 +198,7 @@ def validate_job_id(value: object, field: str = "id") -> str:
     return value
 
 
-def new_job_id(now_ms: int, entropy: bytes | bytearray | memoryview) -> str:
+def new_job_id(now_ms: object, entropy: object) -> str:
     """A time-sortable job id in the ULID layout: 26 Crockford base32 characters.
 
     The first 48 bits are ``now_ms``, the next 80 bits the first 10 bytes of ``entropy``
@@ -803,7 +803,7 @@ def parse_policy(spec: object) -> Policy:
     return _parse_policy(spec)
 
 
-def retry_delay_ms(policy: Policy, attempt: int) -> int:
+def retry_delay_ms(policy: Policy, attempt: object) -> int:
     """The backoff before retry number ``attempt`` (the first retry is 1), in whole ms.
 
     ``min(backoff * factor ** (attempt - 1), max_backoff)``, rounded to the nearest ms; no
@@ -835,7 +835,7 @@ class PolicyTable:
         self._ids: dict[Policy, int] = {}
         self._policies: list[Policy] = []
 
-    def intern(self, policy: Policy) -> int:
+    def intern(self, policy: object) -> int:
         """The id of ``policy``, assigning the next one if it is new."""
         if not isinstance(policy, Policy):
             raise EngineUsageError(f"must be a Policy, got {_kind(policy)}", field="policy")
@@ -846,7 +846,7 @@ class PolicyTable:
             self._ids[policy] = pid
         return pid
 
-    def get(self, pid: int) -> Policy:
+    def get(self, pid: object) -> Policy:
         """The policy with id ``pid``; raises :class:`PolicyRecordError` for an unknown id."""
         if isinstance(pid, int) and not isinstance(pid, bool) and 0 <= pid < len(self._policies):
             return self._policies[pid]
@@ -989,7 +989,7 @@ def _parse_labels(value: object) -> tuple[tuple[str, str], ...]:
     return tuple(sorted(pairs))
 
 
-def validate_job(spec: Mapping[str, object], *, now_ms: int) -> JobSpec:
+def validate_job(spec: Mapping[str, object], *, now_ms: object) -> JobSpec:
     """Validate a job spec and return it normalized, with defaults filled in.
 
     ``spec`` has the keys of :data:`JOB_KEYS`; ``id``, ``schedule`` and ``task`` are required.
@@ -1008,7 +1008,10 @@ def validate_job(spec: Mapping[str, object], *, now_ms: int) -> JobSpec:
         raise JobSpecError(f"must be integer milliseconds, got {_kind(now_ms)}", field="now_ms")
     # (one C-level check for the usual spec, a dict; another Mapping's keys() may not be a set)
     if type(spec) is not dict or not spec.keys() <= _JOB_KEY_SET:
-        for key in spec:
+        # A key from the wire may be of any type: typed as such, so that compiled code does
+        # not refuse it before the typed error below names it.
+        keys: Iterable[object] = spec
+        for key in keys:
             if key not in _JOB_KEY_SET:
                 raise JobSpecError(
                     f"unknown key {key!r}; known keys: {', '.join(JOB_KEYS)}",

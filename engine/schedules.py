@@ -17,10 +17,11 @@ import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any, ClassVar, Final
+from typing import Any, ClassVar, Final, SupportsIndex
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from cronsim import CronSim, CronSimError
+from mypy_extensions import mypyc_attr
 
 from engine.errors import EngineUsageError, ScheduleError
 from engine.memo import remember
@@ -365,6 +366,7 @@ def _gap_transition(wall: datetime, zone: ZoneInfo, before: int, after: int) -> 
 # Cron rules: interned, cached
 
 
+@mypyc_attr(native_class=False)
 class CronRule:
     """One normalized cron expression in one zone with its DST policy, shared by many jobs.
 
@@ -563,9 +565,10 @@ _RULES: weakref.WeakValueDictionary[tuple[str, str, str, str], CronRule] = (
 # few entries; the bound caps the worst case (a per-second rule queried for weeks) at about
 # 100 KB per rule.
 RULE_CACHE_MAX: Final = 1024
-_CRON_SCHEDULES: weakref.WeakValueDictionary[
-    tuple[tuple[tuple[str, str], ...], int], CronSchedule
-] = weakref.WeakValueDictionary()
+# A bounded memo rather than weak references (compiled classes take none): jobs created
+# while an entry is held share its schedule; after a clear, new jobs start sharing again.
+_CRON_SCHEDULES: dict[tuple[tuple[tuple[str, str], ...], int], CronSchedule] = {}
+_CRON_SCHEDULES_LIMIT: Final = 4096
 
 
 def _intern_rule(expr: str, tz: str, dst_gap: str, dst_fold: str) -> CronRule:
@@ -657,13 +660,12 @@ def _jitter_offset(jitter_ms: int | None, job_id: str | None) -> int:
     return int.from_bytes(digest, "big") % jitter_ms
 
 
-def _after_ms(value: int) -> int:
-    try:
-        return operator.index(value)
-    except TypeError:
+def _after_ms(value: object) -> int:
+    if not isinstance(value, SupportsIndex):
         raise EngineUsageError(
             f"must be integer milliseconds, got {type(value).__name__}", field="after_ms"
-        ) from None
+        )
+    return operator.index(value)
 
 
 class Schedule:
@@ -686,7 +688,7 @@ class Schedule:
         self.jitter_offset_ms = jitter_offset
         self._key = (self.kind, tuple(sorted(spec.items())), jitter_offset)
 
-    def next_after(self, after_ms: int) -> int | None:
+    def next_after(self, after_ms: object) -> int | None:
         """The first fire time (ms) strictly after ``after_ms``; None once exhausted.
 
         Exhausted means: an ``at`` already passed, the next fire time would be after ``end``,
@@ -695,7 +697,7 @@ class Schedule:
         """
         raise NotImplementedError
 
-    def next_after_uncached(self, after_ms: int) -> int | None:
+    def next_after_uncached(self, after_ms: object) -> int | None:
         """:meth:`next_after` bypassing any cache (equal results; for benchmarks and checks)."""
         return self.next_after(after_ms)
 
@@ -744,7 +746,7 @@ class Schedule:
 class CronSchedule(Schedule):
     """A cron expression in a zone; the work is done by its interned :class:`CronRule`."""
 
-    __slots__ = ("__weakref__", "rule")
+    __slots__ = ("rule",)
     kind = "cron"
 
     def __init__(
@@ -762,14 +764,14 @@ class CronSchedule(Schedule):
     def tz(self) -> str:
         return self.rule.tz
 
-    def next_after(self, after_ms: int) -> int | None:
+    def next_after(self, after_ms: object) -> int | None:
         # Fire times are whole seconds plus the job's fixed delay, so "after a" in ms is
         # "after floor((a - delay) / 1000)" in the rule's seconds.
         delay = self.jitter_offset_ms
-        try:
-            key = (operator.index(after_ms) - delay) // 1000
-        except TypeError:
-            key = (_after_ms(after_ms) - delay) // 1000  # raises the typed error
+        if type(after_ms) is int:
+            key = (after_ms - delay) // 1000
+        else:
+            key = (_after_ms(after_ms) - delay) // 1000  # another integer, or the typed error
         # The cache probe is inlined: this is the engine's hot path, once per fire of every job.
         try:
             s = self.rule._cache[key]
@@ -783,7 +785,7 @@ class CronSchedule(Schedule):
             end = MAX_INSTANT_MS  # a jitter delay may carry the rule's last match past it
         return None if t > end else t
 
-    def next_after_uncached(self, after_ms: int) -> int | None:
+    def next_after_uncached(self, after_ms: object) -> int | None:
         delay = self.jitter_offset_ms
         s = self.rule.next_after_s_uncached((_after_ms(after_ms) - delay) // 1000)
         if s is None or s * 1000 + delay > MAX_INSTANT_MS:
@@ -829,7 +831,7 @@ class AtSchedule(Schedule):
         super().__init__(spec, end_ms, jitter_ms, jitter_offset)
         self.at_ms = at_ms
 
-    def next_after(self, after_ms: int) -> int | None:
+    def next_after(self, after_ms: object) -> int | None:
         t = self.at_ms + self.jitter_offset_ms
         return self._within_end(t) if t > _after_ms(after_ms) else None
 
@@ -856,7 +858,7 @@ class EverySchedule(Schedule):
         self.interval_ms = interval_ms
         self.start_ms = start_ms
 
-    def next_after(self, after_ms: int) -> int | None:
+    def next_after(self, after_ms: object) -> int | None:
         base = _after_ms(after_ms) - self.jitter_offset_ms
         start, interval = self.start_ms, self.interval_ms
         k = 0 if base < start else (base - start) // interval + 1
@@ -994,7 +996,7 @@ def parse_schedule(
         if shared is None:
             rule = _intern_rule(expr, tz, gap, fold)
             shared = CronSchedule(normalized, rule, end_ms, jitter_ms, offset)
-            _CRON_SCHEDULES[key] = shared
+            remember(_CRON_SCHEDULES, key, shared, _CRON_SCHEDULES_LIMIT)
         return shared
 
     if kind == "at":
@@ -1071,8 +1073,8 @@ class Preview:
 
 def preview(
     spec: object,
-    count: int,
-    after_ms: int,
+    count: object,
+    after_ms: object,
     *,
     job_id: str | None = None,
     created_ms: int | None = None,

@@ -40,7 +40,7 @@ from __future__ import annotations
 from array import array
 from collections import deque
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Final
 
 import numpy as np
@@ -181,6 +181,11 @@ class EngineConfig:
             raise EngineUsageError(
                 "reattach grace must be at least the worker lease", field="reattach_grace_ms"
             )
+
+    def __reduce__(self) -> tuple[type[EngineConfig], tuple[object, ...]]:
+        # Rebuilt through __init__ (the simulation sends configs to pool processes): compiled,
+        # a frozen dataclass has no __dict__ for pickle to fill and its __setattr__ refuses.
+        return (EngineConfig, tuple(getattr(self, f.name) for f in fields(self)))
 
 
 #: A snapshot's table of policies, and the schedules of stored specs and snapshot profiles

@@ -234,7 +234,7 @@ class TimingWheel:
 
     # ------------------------------------------------------------------ mutation
 
-    def schedule(self, key: int, due_ms: int) -> None:
+    def schedule(self, key: object, due_ms: object) -> None:
         """Make ``key`` pending at ``due_ms``, replacing any due it had. O(1) amortised.
 
         A due at or before the wheel's current time fires on the next :meth:`advance`.
@@ -242,6 +242,11 @@ class TimingWheel:
         # The hot path: a key inside the due column and an int64 due. Anything else (a new key
         # beyond the column, a wrong type, a due out of range) takes the validating slow path.
         dues = self._due
+        if type(key) is not int or type(due_ms) is not int:
+            # (typed object, not int: compiled, an int annotation would refuse a numpy
+            # integer with a TypeError before the slow path could accept it)
+            self._schedule_slow(key, due_ms)
+            return
         try:
             if key < 0 or due_ms == NOT_PENDING:
                 raise IndexError(key)

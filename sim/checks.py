@@ -50,6 +50,11 @@ class Violation:
     def to_dict(self) -> dict[str, Any]:
         return {"check": self.check, "message": self.message}
 
+    def __reduce__(self) -> tuple[type[Violation], tuple[str, str, tuple[str, ...]]]:
+        # Sent back from pool processes; a compiled frozen dataclass must be rebuilt through
+        # __init__ (it has no __dict__ for pickle to fill, and its __setattr__ refuses).
+        return (Violation, (self.check, self.message, self.focus))
+
 
 @dataclass(slots=True)
 class Execution:

@@ -52,12 +52,17 @@ class StoredBatch:
     end: int  # how many durable records there are up to and including this batch
 
 
-@dataclass(slots=True)
 class _Write:
-    node: SimNode
-    incarnation: int
-    persist: Persist
-    accepted_at: int
+    # A plain class, not a dataclass: a compiled dataclass evaluates its annotations at
+    # import, and SimNode (imported for type checking only, sim.node imports this module)
+    # does not exist yet then.
+    __slots__ = ("accepted_at", "incarnation", "node", "persist")
+
+    def __init__(self, node: SimNode, incarnation: int, persist: Persist, accepted_at: int) -> None:
+        self.node = node
+        self.incarnation = incarnation
+        self.persist = persist
+        self.accepted_at = accepted_at
 
 
 class ShardStore:

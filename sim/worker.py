@@ -33,9 +33,12 @@ from engine.effects import (
 from engine.lease import ShardView, worker_fence_at
 from engine.runs import token_epoch
 
+# Imported at run time, not for type checking only: the dataclasses below name them, and a
+# compiled dataclass evaluates its annotations at import.
+from sim.checks import Execution
+from sim.node import SimNode
+
 if TYPE_CHECKING:
-    from sim.checks import Execution
-    from sim.node import SimNode
     from sim.world import World
 
 _MAX_TASK_MS = 20 * 60_000

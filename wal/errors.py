@@ -14,13 +14,15 @@ about a failure: that is the driver's (retry, give up the shard, alert).
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from engine.errors import StaleEpoch as EngineStaleEpoch
 
 
 class StoreError(Exception):
     """Root of every exception raised by ``wal``."""
 
-    code: str = "store_error"
+    code: ClassVar[str] = "store_error"
 
     def __init__(self, message: str, *, path: str | None = None) -> None:
         super().__init__(message)
