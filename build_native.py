@@ -1,0 +1,73 @@
+"""Compile the pure core and the simulation with mypyc, in place (``make native``).
+
+What it owns: the list of modules that are compiled and how. The compiled modules are the
+same source files, type-checked by mypy and translated to C; an extension module
+(``engine/shard.cpython-311-*.so``) sits beside its ``.py`` and Python imports it first.
+Nothing here may change what a module does: the simulation's trace hash is the same compiled
+or interpreted (``tests/engine/test_native.py`` checks it).
+
+Why these modules: the engine (every create, fire and acknowledgement goes through it) and the
+simulation's drivers (a seed is half engine, half driver). The Trio drivers (``cluster/``)
+stay interpreted: Trio inspects coroutine objects, and their cost is in Trio and the kernel,
+not in their own lines. The store (``wal/``) too, for now: its tests subclass it and patch its
+methods, which compiled classes do not allow.
+
+Never run by importing: ``python build_native.py`` only, from the repository root.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.machinery
+import os
+import sys
+
+#: Packages whose modules are compiled; each package's ``__init__.py`` stays interpreted, as it
+#: holds the check that its compiled modules are not older than their sources.
+PACKAGES = ("engine", "sim")
+#: Modules left interpreted: command-line glue run once per process, and the simulation's
+#: options (a frozen dataclass sent to pool processes: compiled, it does not unpickle).
+INTERPRETED = {"sim/cli.py", "sim/config.py", "sim/report.py"}
+
+
+def compiled_sources() -> list[str]:
+    sources = []
+    for package in PACKAGES:
+        for path in sorted(glob.glob(f"{package}/*.py")):
+            if path.endswith("__init__.py") or path in INTERPRETED:
+                continue
+            sources.append(path)
+    return sources
+
+
+def main() -> None:
+    # (imported here: the tests import this module for its list alone)
+    from mypyc.build import mypycify
+    from setuptools import setup
+
+    os.chdir(os.path.dirname(os.path.abspath(__file__)))
+    extensions = mypycify(
+        compiled_sources(),
+        opt_level="3",
+        # One C file per module, so that the two cores compile in parallel (-j 2 below).
+        multi_file=True,
+        group_name="tickwheel_native",
+        target_dir="build/native",
+    )
+    setup(
+        name="tickwheel-native",
+        ext_modules=extensions,
+        script_args=["-q", "build_ext", "--inplace", "-j", str(os.cpu_count() or 1)],
+    )
+    # An extension whose C did not change (an edit to a comment) is not copied again, so it
+    # keeps an older time than its edited source, and the package's import check would call
+    # it stale: every compiled module was just built from the sources as they are.
+    for source in compiled_sources():
+        for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+            compiled = source[: -len(".py")] + suffix
+            if os.path.exists(compiled):
+                os.utime(compiled)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
