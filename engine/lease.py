@@ -260,10 +260,6 @@ class LeaseConfig:
         for name in ("ttl_ms", "renew_every_ms", "retry_ms", "poll_ms"):
             if getattr(self, name) <= 0:
                 raise EngineUsageError("must be positive", field=name)
-
-    def __reduce__(self) -> tuple[type[LeaseConfig], tuple[object, ...]]:
-        # As EngineConfig's: rebuilt through __init__, which a compiled frozen dataclass needs.
-        return (LeaseConfig, tuple(getattr(self, f.name) for f in fields(self)))
         if self.margin_ms < 1:
             # at least 1 ms: clocks are read in whole milliseconds
             raise EngineUsageError("margin must be at least 1 ms", field="margin_ms")
@@ -275,6 +271,10 @@ class LeaseConfig:
                 f"for {self.safe_ms} ms",
                 field="renew_every_ms",
             )
+
+    def __reduce__(self) -> tuple[type[LeaseConfig], tuple[object, ...]]:
+        # As EngineConfig's: rebuilt through __init__, which a compiled frozen dataclass needs.
+        return (LeaseConfig, tuple(getattr(self, f.name) for f in fields(self)))
 
     @property
     def safe_ms(self) -> int:
