@@ -25,9 +25,12 @@ import sys
 #: Packages whose modules are compiled; each package's ``__init__.py`` stays interpreted, as it
 #: holds the check that its compiled modules are not older than their sources.
 PACKAGES = ("engine", "sim")
-#: Modules left interpreted: command-line glue run once per process, and the simulation's
-#: options (a frozen dataclass sent to pool processes: compiled, it does not unpickle).
-INTERPRETED = {"sim/cli.py", "sim/config.py", "sim/report.py"}
+#: Modules left interpreted: command-line glue run once per process; the simulation's options
+#: (a frozen dataclass sent to pool processes: compiled, it does not unpickle); and its seed
+#: runner, which hands seeds out through a lazy generator so that a caught mutant stops the run
+#: (mypyc warns that it compiles such a generator argument as a list: every seed would run
+#: first).
+INTERPRETED = {"sim/cli.py", "sim/config.py", "sim/report.py", "sim/runner.py"}
 
 
 def compiled_sources() -> list[str]:
@@ -46,6 +49,14 @@ def main() -> None:
     from setuptools import setup
 
     os.chdir(os.path.dirname(os.path.abspath(__file__)))
+    # A module taken off the list (or deleted) must not keep its old extension module, which
+    # Python would still import first, against a group library that no longer holds it.
+    wanted = {source[: -len(".py")] for source in compiled_sources()}
+    for package in PACKAGES:
+        for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+            for compiled in glob.glob(f"{package}/*{suffix}"):
+                if compiled[: -len(suffix)] not in wanted:
+                    os.remove(compiled)
     extensions = mypycify(
         compiled_sources(),
         opt_level="3",

@@ -67,6 +67,29 @@ def test_a_mutant_run_in_several_processes_stops_at_the_same_seed() -> None:
     assert [v["seed"] for v in together.violations] == [v["seed"] for v in alone.violations]
 
 
+def test_a_mutant_run_in_one_process_runs_no_seed_after_the_one_it_stops_at(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Seeds are handed out lazily: a caught mutant ends the run, not merely its report.
+    (Compiled, the runner's generator argument would become a list and run every seed first,
+    which is why ``sim/runner.py`` stays interpreted; the counting patch would not take
+    either.)"""
+    import sim.runner
+
+    started: list[int] = []
+    real = sim.runner.run_seed
+
+    def counting(config: SimConfig) -> sim.runner.SeedResult:
+        started.append(config.seed)
+        return real(config)
+
+    monkeypatch.setattr(sim.runner, "run_seed", counting)
+    summary = run_seeds(replace(SMALL, mutant="no-self-fence"), 200)
+    assert summary.stopped_at is not None
+    # (the violating seed runs once more, for its trace excerpt)
+    assert sorted(set(started)) == list(range(SMALL.seed, summary.stopped_at + 1))
+
+
 @pytest.mark.slow
 def test_an_update_while_its_burst_run_waits_is_accounted_by_the_checks() -> None:
     """Seed 70,033 of the default cluster with every fault: a job updated at the top of the
