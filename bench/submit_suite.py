@@ -14,8 +14,9 @@ Every reply the node sends is for a create that is already durable (group commit
 shared by everything waiting), so a submit counts only once it would survive a crash. The anchor
 measured beside ``single`` in the same run is the disk's own floor for that mode: one small write
 plus one ``fdatasync`` per submit, on the same file system. Beside ``conns64`` the run measures
-that mode's floor in a Trio stack: a bare Trio echo server and as many Trio connections, no work. The Redis anchor of the issue is
-quoted (no Redis here) in the notes and as ``quoted_redis_per_s``. Must never judge a figure.
+that mode's floor in a Trio stack: a bare Trio echo server and as many Trio connections, no
+work. The Redis anchor of the issue is quoted (no Redis here) in the notes and as
+``quoted_redis_per_s``. Must never judge a figure.
 """
 
 from __future__ import annotations

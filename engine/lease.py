@@ -25,9 +25,10 @@ from __future__ import annotations
 import enum
 import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from engine.errors import EngineUsageError, StaleEpoch
+from engine.frozen import rebuilt_by_init
 
 #: The guard :attr:`LeaseConfig.mutants` may switch off.
 LEASE_MUTANTS = frozenset({"no-self-fence"})
@@ -272,9 +273,8 @@ class LeaseConfig:
                 field="renew_every_ms",
             )
 
-    def __reduce__(self) -> tuple[type[LeaseConfig], tuple[object, ...]]:
-        # As EngineConfig's: rebuilt through __init__, which a compiled frozen dataclass needs.
-        return (LeaseConfig, tuple(getattr(self, f.name) for f in fields(self)))
+    def __reduce__(self) -> tuple[type, tuple[object, ...]]:
+        return rebuilt_by_init(self)
 
     @property
     def safe_ms(self) -> int:

@@ -40,7 +40,7 @@ from __future__ import annotations
 from array import array
 from collections import deque
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 import numpy as np
@@ -87,6 +87,7 @@ from engine.errors import (
     TimeWentBackwards,
     VersionConflict,
 )
+from engine.frozen import rebuilt_by_init
 from engine.jobs import (
     POLICY_KEYS,
     JobSpec,
@@ -182,10 +183,8 @@ class EngineConfig:
                 "reattach grace must be at least the worker lease", field="reattach_grace_ms"
             )
 
-    def __reduce__(self) -> tuple[type[EngineConfig], tuple[object, ...]]:
-        # Rebuilt through __init__ (the simulation sends configs to pool processes): compiled,
-        # a frozen dataclass has no __dict__ for pickle to fill and its __setattr__ refuses.
-        return (EngineConfig, tuple(getattr(self, f.name) for f in fields(self)))
+    def __reduce__(self) -> tuple[type, tuple[object, ...]]:
+        return rebuilt_by_init(self)
 
 
 #: A snapshot's table of policies, and the schedules of stored specs and snapshot profiles

@@ -251,8 +251,8 @@ class TimingWheel:
             if key < 0 or due_ms == NOT_PENDING:
                 raise IndexError(key)
             old = dues[key]
-            dues[key] = due_ms  # array('q') refuses non-integers and values beyond int64
-        except (IndexError, TypeError, OverflowError):
+            dues[key] = due_ms  # array('q') refuses values beyond int64
+        except (IndexError, OverflowError):
             self._schedule_slow(key, due_ms)
             return
         # Placement is deferred to the next advance/next_due, which places every staged key in

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from engine.effects import RunTicket
+from engine.frozen import rebuilt_by_init
 from engine.records import expand
 from engine.runs import FINAL_VALUES
 from engine.schedules import Schedule, parse_schedule
@@ -50,10 +51,8 @@ class Violation:
     def to_dict(self) -> dict[str, Any]:
         return {"check": self.check, "message": self.message}
 
-    def __reduce__(self) -> tuple[type[Violation], tuple[str, str, tuple[str, ...]]]:
-        # Sent back from pool processes; a compiled frozen dataclass must be rebuilt through
-        # __init__ (it has no __dict__ for pickle to fill, and its __setattr__ refuses).
-        return (Violation, (self.check, self.message, self.focus))
+    def __reduce__(self) -> tuple[type, tuple[object, ...]]:
+        return rebuilt_by_init(self)
 
 
 @dataclass(slots=True)
