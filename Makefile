@@ -34,7 +34,7 @@ $(NATIVE_STAMP): $(STAMP) build_native.py $(wildcard engine/*.py sim/*.py)
 native: $(NATIVE_STAMP)
 
 interpreted:
-	rm -f engine/*.so sim/*.so tickwheel_native__mypyc*.so $(NATIVE_STAMP)
+	rm -f engine/*.so sim/*.so tickwheel_native__mypyc*.so $(NATIVE_STAMP)  # (the last: older builds')
 
 # A node and a worker on a fresh temporary data directory, four sample jobs, their runs and logs.
 demo: $(STAMP) bytecode native

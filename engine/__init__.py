@@ -12,6 +12,10 @@ from __future__ import annotations
 import importlib.machinery
 import os
 
+#: The file name prefix of the compiled build's shared library (``build_native.GROUP``), which
+#: sits in this package: every compiled module of ``engine`` and ``sim`` imports it.
+GROUP_LIBRARY_PREFIX = "_native__mypyc."
+
 
 class StaleCompiledModule(ImportError):
     """A compiled module (``make native``) is older than its source, or its source is gone:
@@ -30,7 +34,9 @@ def refuse_stale_compiled(package_file: str) -> None:
     suffixes = tuple(importlib.machinery.EXTENSION_SUFFIXES)
     for name in os.listdir(directory):
         suffix = next((s for s in suffixes if name.endswith(s)), None)
-        if suffix is None:
+        if suffix is None or name.startswith(GROUP_LIBRARY_PREFIX):
+            # (the group's shared library has no source of its own; the shims that load it
+            # are each checked against theirs, and the build writes them all together)
             continue
         compiled = os.path.join(directory, name)
         source = os.path.join(directory, name[: -len(suffix)] + ".py")
