@@ -1901,7 +1901,7 @@ class ShardEngine:
     ) -> list[_Run]:
         """The worker's runs that ``held`` omits are lost to it, except those whose dispatch
         is numbered after ``seen`` (None: the process that was sent them is gone, so all
-        are). Returns those of them to send again: still CLAIMED, and numbered."""
+        are). Returns those of them to send again: the numbered ones (CLAIMED or RUNNING)."""
         announced = {rid for rid, _token in held}
         again: list[_Run] = []
         for ref in sorted(worker.runs):
@@ -1911,10 +1911,15 @@ class ShardEngine:
             if seen is not None and run.sent > seen:
                 # Sent after the worker's snapshot: the dispatch is crossing it (its start
                 # report may even have overtaken it), or went down with a broken connection.
-                # The worker keeps it; one not reported started gets it again if the caller
-                # says so (the worker drops a repeat of what it holds), and one still
-                # waiting for durability goes out when that comes.
-                if run.state is RunState.CLAIMED and run.sent != _UNSENT:
+                # The worker keeps it and gets it again if the caller says so (a hello): a
+                # repeat of what it holds, or of what it let go, is dropped, and a repeat
+                # that arrives numbers the worker's next hello past it, which settles the
+                # run one way or the other. A started run too: its only dispatch numbered
+                # after ``seen`` may be a send again lost with a broken connection, and
+                # without another the run stayed RUNNING for as long as its worker lived
+                # (found by fuzzing test_hello_crossing). One still waiting for durability
+                # goes out when that comes.
+                if run.sent != _UNSENT:
                     again.append(run)
                 continue
             # The worker (re)started without it, dropped it (fenced), or never got it.
@@ -1975,6 +1980,13 @@ class ShardEngine:
                 continue
             if run.worker != worker.worker_id:
                 self._reattach(worker, run)
+            elif run.sent and run.sent != _UNSENT:
+                # Announced by the worker it went to: it has this attempt. A dispatch of it
+                # still numbered after a later hello's ``seen`` (a send again that went down
+                # with a broken connection) must no longer make that hello's omission a
+                # crossing: the worker let the run go. Kept, the run stayed RUNNING for as long
+                # as the worker lived (found by fuzzing test_hello_crossing).
+                run.sent = 0
 
     def _reattach(self, worker: _Worker, run: _Run) -> None:
         run.worker = worker.worker_id

@@ -118,14 +118,46 @@ def test_dispatch_numbers_follow_the_order_they_leave_in() -> None:
     assert seqs[0] < seqs[1]
 
 
-def test_a_start_report_overtaking_the_hello_keeps_the_run_without_sending_it_again() -> None:
-    """The node may take a start report sent after a hello before the hello itself."""
+def test_a_start_report_overtaking_the_hello_keeps_the_run_and_sends_it_again() -> None:
+    """The node may take a start report sent after a hello before the hello itself. The run
+    is kept, and sent again: the same attempt, which the worker holding it drops as a repeat
+    (sent again, it also settles the case where the dispatch numbered after the hello's
+    ``seen`` was itself a send again lost with a broken connection: see the next test)."""
     node, first = one_out()
     node.do(ReportStarted("w1", first.run.run_id, first.run.token))
     hello(node, (), seen=first.seq - 1)  # left before the dispatch arrived
-    assert dispatched(node) == [first]
+    again = dispatched(node)[-1]
+    assert len(dispatched(node)) == 2
+    assert again.run == first.run and again.seq > first.seq and again.again
     node.do(ReportFinished("w1", first.run.run_id, first.run.token, "success", 0))
     assert node.final_states() == ["SUCCESS"]
+
+
+def test_a_started_run_whose_send_again_was_lost_is_settled_by_the_next_hello() -> None:
+    """A hello that crossed the dispatch got the run sent again; that send went down with a
+    broken connection after the worker had started the run from the first dispatch and then
+    let it go. Every later hello is numbered before the lost send: each one sends the run
+    again, and the hello after a send that arrived loses it (at-most-once: LOST), instead of
+    keeping it RUNNING for as long as the worker lives (found by fuzzing)."""
+    node = Node(config=EngineConfig(worker_lease_ms=10**6, reattach_grace_ms=10**6))
+    hello(node, (), 0)
+    once(node, "a", delivery="at_most_once")
+    node.advance(1000)
+    node.flush()
+    (first,) = dispatched(node)
+    hello(node, (), seen=0)  # built before the dispatch arrived: the run goes out again
+    lost = dispatched(node)[-1]
+    assert lost.seq > first.seq
+    node.do(ReportStarted("w1", first.run.run_id, first.run.token))
+    # the worker lets the run go; the connection breaks with ``lost`` on it; hello again
+    hello(node, (), seen=first.seq)
+    arrived = dispatched(node)[-1]
+    assert arrived.run == first.run and arrived.seq > lost.seq
+    assert node.final_states() == ["RUNNING"]
+    hello(node, (), seen=arrived.seq)  # the worker dropped the repeat of what it let go
+    node.advance(10**6 + 1000)  # the grace for a worker to announce a run let go
+    assert node.final_states() == ["LOST"]
+    assert [d.run.token for d in dispatched(node)] == [first.run.token] * 3  # one attempt
 
 
 def test_a_run_being_stopped_gets_the_kill_again_not_the_run() -> None:
@@ -314,6 +346,18 @@ class _Worker:
 )
 @example(
     steps=["create", "create", "tick", "hello", "deliver", "start", "drop", "land", "deliver"],
+    durable_at_once=False,
+)
+# Found by fuzzing: a send again (crossing a hello) went down with a broken connection after
+# the run was reported started; the worker let the run go (having announced it, or not), and
+# every later hello, numbered before that lost send, was taken as crossing it: RUNNING while
+# the worker lived.
+@example(
+    steps=["create", "break", "tick", "deliver", "land", "start", "break", "drop"],
+    durable_at_once=False,
+)
+@example(
+    steps=["create", "break", "tick", "deliver", "land", "start", "drop", "break"],
     durable_at_once=False,
 )
 def test_hellos_at_any_point_never_run_a_run_twice_nor_lose_one(
