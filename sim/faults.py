@@ -108,7 +108,12 @@ class FaultInjector:
             duration = rng.randint(10 * MINUTE, 60 * MINUTE)
             bound = self.w.lease_config.max_drift_ppm
             clock.set_mono_rate(now, rng.randint(-bound * 9 // 10, bound * 9 // 10))
-        node.skewed_until = max(node.skewed_until, now + duration)
+        if kind != "mono-drift":
+            # Only a fault of the wall clock holds it against NTP and against the healing of
+            # an earlier one. A monotonic drift did too (found by seed 108 of 200 jobs and an
+            # hour): every node's wall clock then stayed beyond the bound for up to an hour,
+            # drain included, no node could act, and a run was left RUNNING.
+            node.skewed_until = max(node.skewed_until, now + duration)
         self.k.later(duration, self._unskew, node.index, kind, now + duration)
         self.w.observer.fault(now, now + duration, f"skew-{kind}", node.name)
 

@@ -118,7 +118,7 @@ class SimNode:
         self.base_wall_error = clock.wall_error(0)
         self.base_wall_ppm = clock.wall_ppm
         self.base_mono_ppm = clock.mono_ppm
-        self.skewed_until = 0  # a skew fault owns the clock until then (NTP leaves it alone)
+        self.skewed_until = 0  # a wall skew fault owns the wall clock until then (NTP leaves it)
         self.alive = False
         self.incarnation = 0
         self.frozen = False

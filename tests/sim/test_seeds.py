@@ -101,3 +101,35 @@ def test_an_update_while_its_burst_run_waits_is_accounted_by_the_checks() -> Non
 
     summary = run_seeds(SimConfig(seed=70_033, faults=frozenset(FAULTS), samples=False), 1)
     assert summary.violations == [], [(v["check"], v["message"]) for v in summary.violations]
+
+
+def test_a_monotonic_drift_leaves_the_wall_clock_to_ntp() -> None:
+    """A monotonic drift (within the leases' bound) must not hold a node's wall clock: it did,
+    and a wall skew met during it was neither healed nor stepped back by NTP until the drift
+    ended (up to an hour)."""
+    import random
+    from typing import Any
+
+    from sim.faults import FaultInjector
+    from sim.world import World
+
+    class MonoDriftOfTheFirstNode(random.Random):
+        def choice(self, seq: Any) -> Any:
+            return "mono-drift" if isinstance(seq[0], str) else seq[0]
+
+    world = World(replace(SMALL, seed=1))
+    FaultInjector(world)._skew(MonoDriftOfTheFirstNode(1))
+    assert world.nodes[0].clock.mono_ppm != world.nodes[0].base_mono_ppm  # it drifts
+    assert world.nodes[0].skewed_until == 0  # and NTP still owns its wall clock
+
+
+def test_seed_108_of_an_hour_settles_after_clock_faults_on_every_node() -> None:
+    """Seed 108 of 200 jobs and an hour with every fault: each node's wall clock was skewed
+    while a monotonic drift ran on it; with the drift holding the wall clock, all three stayed
+    beyond the bound through the drain, no node could act, and a run was left RUNNING
+    (found by running 300 seeds)."""
+    from sim.names import FAULTS
+
+    config = SimConfig(seed=108, jobs=200, hours=1.0, faults=frozenset(FAULTS), samples=False)
+    summary = run_seeds(config, 1)
+    assert summary.violations == [], [(v["check"], v["message"]) for v in summary.violations]
