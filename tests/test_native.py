@@ -57,26 +57,18 @@ def test_the_installed_script_runs_compiled_from_any_directory(tmp_path: Path) -
     if not script.exists():
         pytest.skip("the package is not installed in this interpreter's environment")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    done = subprocess.run(
-        [str(script), "sim", "--seed", "3", "--jobs", "30", "--hours", "0.2", "--json"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert json.loads(done.stdout)["violations"] == []
-    probe = subprocess.run(
-        [sys.executable, "-c", "import engine.shard; print(engine.shard.__file__)"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert probe.returncode == 0, probe.stderr[-2000:]
-    assert probe.stdout.strip().endswith(SUFFIX), probe.stdout
+
+    def run(argv: list[str], timeout: float) -> str:
+        done = subprocess.run(
+            argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout
+
+    sim = ["sim", "--seed", "3", "--jobs", "30", "--hours", "0.2", "--json"]
+    assert json.loads(run([str(script), *sim], 120))["violations"] == []
+    where = run([sys.executable, "-c", "import engine.shard; print(engine.shard.__file__)"], 60)
+    assert where.strip().endswith(SUFFIX), where
 
 
 def test_the_group_library_needs_no_source_of_its_own(tmp_path: Path) -> None:
