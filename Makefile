@@ -54,10 +54,13 @@ lint: $(STAMP)
 bench: $(STAMP) bytecode native
 	$(BIN)/pytest -q bench --benchmark-only --benchmark-columns=min,mean,ops,rounds
 
-# The property and state-machine tests with fresh random examples, ten rounds (a few minutes).
-fuzz: $(STAMP)
+# The property and state-machine tests with fresh random examples, ten rounds (about ten
+# minutes): the engine's, and those of the store, the wire codec, the watchdog and payload
+# results.
+FUZZ_TESTS := tests/engine $(shell grep -l "from hypothesis" tests/wal/*.py tests/cluster/*.py)
+fuzz: $(STAMP) bytecode native
 	for i in 1 2 3 4 5 6 7 8 9 10; do \
-		HYPOTHESIS_PROFILE=fuzz $(BIN)/pytest -q -p no:cacheprovider tests/engine || exit 1; \
+		HYPOTHESIS_PROFILE=fuzz $(BIN)/pytest -q -p no:cacheprovider $(FUZZ_TESTS) || exit 1; \
 	done
 
 # Thousands of seeds of the fault-injection simulation with every fault (a stop at the first
