@@ -8,7 +8,8 @@ partitions (a node from the coordinator, from all workers, from one worker, from
 from the other nodes), slow disks, and the top-of-hour burst (which is the workload's:
 ``sim.client``). Each kind draws from its own random stream, so enabling one fault leaves
 the others' episodes where they were. Episodes start only before the end of the run's hours;
-each heals by itself, by the middle of the drain at the latest. Must never touch an engine or a lease.
+each heals by itself, by the middle of the drain at the latest. Must never touch an engine or
+a lease.
 """
 
 from __future__ import annotations
