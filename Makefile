@@ -57,7 +57,8 @@ bench: $(STAMP) bytecode native
 # The property and state-machine tests with fresh random examples, ten rounds (about ten
 # minutes): the engine's, and those of the store, the wire codec, the watchdog and payload
 # results.
-FUZZ_TESTS := tests/engine $(shell grep -l "from hypothesis" tests/wal/*.py tests/cluster/*.py)
+# (recursive: the grep runs when fuzz does, not at every make)
+FUZZ_TESTS = tests/engine $(shell grep -l "from hypothesis" tests/wal/*.py tests/cluster/*.py)
 fuzz: $(STAMP) bytecode native
 	for i in 1 2 3 4 5 6 7 8 9 10; do \
 		HYPOTHESIS_PROFILE=fuzz $(BIN)/pytest -q -p no:cacheprovider $(FUZZ_TESTS) || exit 1; \

@@ -36,8 +36,6 @@ INTERPRETED = {"sim/cli.py", "sim/config.py", "sim/report.py", "sim/runner.py"}
 #: ``engine/_native__mypyc.*.so``: at the top level it was found only when the repository root
 #: happened to be on ``sys.path``, so the installed ``tickwheel`` script failed to import it.
 GROUP = "engine._native"
-#: Where builds before the group moved into ``engine`` left the shared library.
-OLD_GROUP_LIBRARY = "tickwheel_native__mypyc"
 
 
 def compiled_sources() -> list[str]:
@@ -77,8 +75,6 @@ def main() -> None:
     for compiled, source in _extension_modules():
         if source not in wanted and not _is_group_library(compiled):
             os.remove(compiled)
-    for old in glob.glob(f"{OLD_GROUP_LIBRARY}*"):
-        os.remove(old)
     extensions = mypycify(
         compiled_sources(),
         opt_level="3",

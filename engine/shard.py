@@ -1980,12 +1980,10 @@ class ShardEngine:
                 continue
             if run.worker != worker.worker_id:
                 self._reattach(worker, run)
-            elif run.sent and run.sent != _UNSENT:
-                # Announced by the worker it went to: it has this attempt. A dispatch of it
-                # still numbered after a later hello's ``seen`` (a send again that went down
-                # with a broken connection) must no longer make that hello's omission a
-                # crossing: the worker let the run go. Kept, the run stayed RUNNING for as long
-                # as the worker lived (found by fuzzing test_hello_crossing).
+            elif run.sent != _UNSENT:
+                # Announced by the worker it went to: it has this attempt (as _reattach
+                # records it), so a later hello that omits it let it go, whatever send again
+                # is still numbered after that hello's ``seen``.
                 run.sent = 0
 
     def _reattach(self, worker: _Worker, run: _Run) -> None:
