@@ -5,7 +5,9 @@ Owns the policy of what goes into one durable write (:class:`CommitPolicy`, appl
 driver of it (:class:`GroupCommitter`): producers submit batches from any thread; one writer
 thread takes every batch queued while the previous write was being fsynced, writes them with one
 :meth:`~wal.store.ShardStore.write_prepared` (one RocksDB write, one fsync), then acknowledges
-each. The Trio node can drive the same :class:`CommitQueue` with ``trio.to_thread.run_sync``.
+each. A producer may write what is queued itself when the writer thread is idle
+(:meth:`GroupCommitter.write_here`): groups are still taken and written one at a time, in queue
+order. The Trio node can drive the same :class:`CommitQueue` with ``trio.to_thread.run_sync``.
 
 Must never acknowledge a batch before the write that holds it returned from its fsync, and never
 fsync once per request: a group is everything waiting, up to the policy's bounds.
@@ -16,6 +18,7 @@ from __future__ import annotations
 import _thread
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -180,7 +183,17 @@ class GroupCommitter:
         self._signal.acquire()
         self._signalled = False
         self._closing = False
+        # Held by whoever takes and writes a group, the writer thread or a caller of
+        # write_here: one group at a time, each written before the next is taken (queue order
+        # is log order).
+        self._write_lock = _thread.allocate_lock()
+        #: seconds the slowest recent write took, fsync included (either path): each write's
+        #: own time, or this decayed by a tenth a write if larger. What a caller of
+        #: write_here may expect to wait: a disk that was slow up to ~30 writes ago (50 ms,
+        #: against 2 ms) still counts as slow.
+        self.recent_write_s = 0.0
         self.groups = 0  # writes issued (one fsync each)
+        self.groups_here = 0  # ... of which by callers of write_here
         self.batches = 0  # batches acknowledged durable
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -241,46 +254,80 @@ class GroupCommitter:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def write_here(self) -> list[Ticket] | None:
+        """Write everything queued on the calling thread, now, if the writer thread is not in
+        a write: one group, its tickets resolved, in order, with their callbacks called here
+        (``on_group`` is not: the caller has the tickets). [] when nothing was queued. None
+        when the writer thread is writing, or the committer is closed: nothing is taken, and
+        the writer writes it after its current group.
+
+        For a caller whose next step is to wait for these very batches (an event loop with a
+        lone request in flight): it saves the two thread hand-offs of the writer's path at the
+        price of blocking the caller for the write, fsync included (:attr:`recent_write_s`)."""
+        if not self._write_lock.acquire(False):
+            return None
+        try:
+            with self._mutex:
+                if self._closing:
+                    return None
+                group = self._queue.take()
+            if not group:
+                return []
+            self.groups_here += 1
+            return self._write_group(group)
+        finally:
+            self._write_lock.release()
+
     def _run(self) -> None:
         mutex, queue = self._mutex, self._queue
         while True:
             self._signal.acquire()  # until something is queued, or closing
-            with mutex:
-                self._signalled = False
-                group = queue.take()
-                if queue or self._closing:  # come back at once: more queued, or to finish
-                    self._signalled = True
-                    self._signal.release()
-                if not group:
-                    if self._closing:
-                        return  # everything queued was written
-                    continue
-            error: StoreError | None = None
-            seqs: list[int] = []
-            try:
-                seqs = self.store.write_prepared([p for p, _ in group])
-            except StoreError as exc:
-                error = exc
-            except Exception as exc:  # a bug, not the disk; still, nobody may wait forever
-                log.exception("group commit failed unexpectedly")
-                error = StoreIOError(f"group commit failed: {exc!r}", path=self.store.path)
-            # What was queued without a wake-up (submit's wake=False) since the group was
-            # taken is the next group's, kicked or not: without this the writer slept on it
-            # until a kick (found by review: submit's promise did not hold). Kicked before any
-            # ticket of this group resolves: a batch submitted after one did (an idle
-            # writer's) waits for its kick, as promised.
-            self._wake_if_queued()
-            self.groups += 1
-            tickets = [ticket for _, ticket in group]
-            if error is not None:
-                for ticket in tickets:
-                    ticket._resolve(None, error)
-            else:
-                self.batches += len(group)
-                for ticket, seq in zip(tickets, seqs, strict=True):
-                    ticket._resolve(seq, None)
-            if self._on_group is not None:
-                try:
-                    self._on_group(tickets)
-                except Exception:  # like a ticket's callback: must not stop the writer
-                    log.exception("group callback failed")
+            with self._write_lock:
+                with mutex:
+                    self._signalled = False
+                    group = queue.take()
+                    if queue or self._closing:  # come back at once: more queued, or to finish
+                        self._signalled = True
+                        self._signal.release()
+                    if not group:
+                        if self._closing:
+                            return  # everything queued was written
+                        continue
+                tickets = self._write_group(group)
+                # Inside the write lock: a write_here after this group sees its hand-off
+                # already made (the node relies on it to keep acknowledgements in order).
+                if self._on_group is not None:
+                    try:
+                        self._on_group(tickets)
+                    except Exception:  # like a ticket's callback: must not stop the writer
+                        log.exception("group callback failed")
+
+    def _write_group(self, group: list[tuple[PreparedBatch, Ticket]]) -> list[Ticket]:
+        """Write ``group`` (the write lock held), then resolve its tickets in order."""
+        error: StoreError | None = None
+        seqs: list[int] = []
+        started = time.perf_counter()
+        try:
+            seqs = self.store.write_prepared([p for p, _ in group])
+        except StoreError as exc:
+            error = exc
+        except Exception as exc:  # a bug, not the disk; still, nobody may wait forever
+            log.exception("group commit failed unexpectedly")
+            error = StoreIOError(f"group commit failed: {exc!r}", path=self.store.path)
+        self.recent_write_s = max(time.perf_counter() - started, self.recent_write_s * 0.9)
+        # What was queued without a wake-up (submit's wake=False) since the group was taken is
+        # the next group's, kicked or not: without this the writer slept on it until a kick
+        # (found by review: submit's promise did not hold). Kicked before any ticket of this
+        # group resolves: a batch submitted after one did (an idle writer's) waits for its
+        # kick, as promised.
+        self._wake_if_queued()
+        self.groups += 1
+        tickets = [ticket for _, ticket in group]
+        if error is not None:
+            for ticket in tickets:
+                ticket._resolve(None, error)
+        else:
+            self.batches += len(group)
+            for ticket, seq in zip(tickets, seqs, strict=True):
+                ticket._resolve(seq, None)
+        return tickets

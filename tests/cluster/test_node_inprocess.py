@@ -692,3 +692,120 @@ def test_a_kick_that_fails_stops_its_shard_without_stalling_the_loop(
 
     trio.run(main)
     assert codes == ["shard_failed"]
+
+
+def run_lone_client(
+    tmp_path: Path, ask: Callable[[Client, Node], Awaitable[None]], *, shards: int = 1
+) -> Node:
+    """A node in this thread's Trio run, its one client in a thread of its own (own Trio
+    run): the node's loop has nothing else to do between the client's requests, as with a
+    client in another process. Returns the node, stopped."""
+    node = Node(tmp_path / "data", shards=shards)
+
+    def client_side(port: int) -> None:
+        async def run() -> None:
+            async with Client.connect("127.0.0.1", port) as client:
+                await ask(client, node)
+
+        trio.run(run)
+
+    async def main() -> None:
+        with trio.fail_after(50):
+            async with trio.open_nursery() as nursery:
+                port = await nursery.start(node.run)
+                await trio.to_thread.run_sync(client_side, port)
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    return node
+
+
+def lone_spec(name: str) -> dict[str, Any]:
+    return {"id": name, "schedule": soon(3600), "task": {"payload": {}}}
+
+
+def test_a_lone_clients_batches_are_written_on_the_loops_thread(tmp_path: Path) -> None:
+    """A client with one request at a time gets its creates written by the event loop's
+    thread once it has sent INLINE_COMMIT_AFTER_LONE of them (Node._commit_here), each
+    answered once durable; requests in flight together go to the writer thread again."""
+    from cluster.node import INLINE_COMMIT_AFTER_LONE
+
+    lone = 20
+    here_after_lone: list[int] = []
+
+    async def ask(client: Client, node: Node) -> None:
+        for n in range(lone):
+            assert (await client.create(lone_spec(f"lone-{n}")))["job_id"] == f"lone-{n}"
+        here_after_lone.append(node.hosts[0].committer.groups_here)
+        async with trio.open_nursery() as nursery:
+            for n in range(16):
+                nursery.start_soon(client.create, lone_spec(f"many-{n}"))
+        for name in [f"lone-{n}" for n in range(lone)] + [f"many-{n}" for n in range(16)]:
+            assert (await client.get(name))["job_id"] == name
+
+    node = run_lone_client(tmp_path, ask)
+    committer = node.hosts[0].committer
+    # Every lone create after the first few (its batch alone in a group of its own).
+    assert here_after_lone[0] >= lone - INLINE_COMMIT_AFTER_LONE
+    # The 16 together: the first may still come alone; the second resets the count.
+    assert committer.groups_here - here_after_lone[0] <= 1
+    assert committer.groups > committer.groups_here
+
+
+def test_a_slow_disk_keeps_a_lone_clients_writes_on_the_writer_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shard whose last write took longer than INLINE_COMMIT_MAX_WRITE_S: the loop never
+    stalls for the next one; the writer thread writes it, and the create is answered."""
+    monkeypatch.setattr("cluster.node.INLINE_COMMIT_MAX_WRITE_S", 0.0)
+
+    async def ask(client: Client, node: Node) -> None:
+        for n in range(20):
+            await client.create(lone_spec(f"slow-{n}"))
+
+    node = run_lone_client(tmp_path, ask)
+    assert node.hosts[0].committer.groups_here == 0
+    assert node.hosts[0].committer.batches >= 20
+
+
+def test_a_failed_write_on_the_loops_thread_fails_its_shard_and_answers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loop's own write of a lone request's batch fails (the disk): the shard stops as
+    when its writer thread's write fails, and the request is answered with the failure at
+    once (nothing acknowledged); the other shard goes on."""
+    import threading
+
+    from cluster.node import INLINE_COMMIT_AFTER_LONE
+    from engine.routing import shard_of
+    from wal.errors import StoreIOError
+    from wal.store import ShardStore
+
+    armed: list[str] = []
+    real_write = ShardStore.write_prepared
+
+    def write_prepared(self: ShardStore, prepared: Any) -> list[int]:
+        if armed and self.shard == 0:
+            armed.append(threading.current_thread().name)
+            raise StoreIOError("the disk went away", path=self.path)
+        return real_write(self, prepared)
+
+    monkeypatch.setattr(ShardStore, "write_prepared", write_prepared)
+    names = [f"job-{n}" for n in range(200)]
+    on_0 = [name for name in names if shard_of(name, 2) == 0]
+    on_1 = [name for name in names if shard_of(name, 2) == 1]
+    codes: list[str] = []
+
+    async def ask(client: Client, node: Node) -> None:
+        for name in on_0[: INLINE_COMMIT_AFTER_LONE + 2]:
+            await client.create(lone_spec(name))
+        armed.append("armed")
+        with trio.fail_after(10), pytest.raises(RemoteError) as failed:
+            await client.create(lone_spec(on_0[INLINE_COMMIT_AFTER_LONE + 2]))
+        codes.append(failed.value.code)
+        await client.create(lone_spec(on_1[0]))  # the other shard is unharmed
+        assert (await client.get(on_1[0]))["job_id"] == on_1[0]
+
+    run_lone_client(tmp_path, ask, shards=2)
+    assert codes == ["store_io"]
+    assert armed[1] == threading.main_thread().name  # written (and failed) by the loop's thread

@@ -286,3 +286,148 @@ def test_a_batch_queued_unwoken_during_a_write_is_taken_when_it_ends(tmp_path: P
         assert first.wait(10) < behind.wait(5)  # (never kicked)
         assert store.writes == [1, 1]
     store.close()
+
+
+# ------------------------------------------------------------------------- write_here
+
+
+def test_write_here_writes_what_is_queued_on_the_callers_thread(tmp_path: Path) -> None:
+    """An idle writer's queued batches are written by the caller, as one group, in order,
+    acknowledged there (their callbacks on the caller's thread; no group callback: the caller
+    has the tickets); nothing queued gives []."""
+    store = open_counting(tmp_path)
+    called_on: list[int] = []
+    groups: list[int] = []
+    with GroupCommitter(store, on_group=lambda ts: groups.append(len(ts))) as committer:
+        assert committer.submit(created(0)).wait(10) == 1  # the writer thread's: idle after
+        writes_before, groups_before = list(store.writes), list(groups)
+        tickets = [
+            committer.submit(
+                created(k), callback=lambda t: called_on.append(threading.get_ident()), wake=False
+            )
+            for k in range(1, 4)
+        ]
+        assert committer.write_here() == tickets
+        assert [t.seq for t in tickets] == [2, 3, 4] and all(t.error is None for t in tickets)
+        assert called_on == [threading.get_ident()] * 3
+        assert store.writes == [*writes_before, 3] and groups == groups_before
+        assert committer.groups_here == 1 and committer.batches == 4
+        assert committer.recent_write_s > 0
+        assert committer.write_here() == []  # nothing queued
+        assert committer.submit(created(4)).wait(10) == 5  # the thread's path goes on
+    for k in range(5):
+        assert store.key_of(f"job-{k}") == k
+    store.close()
+
+
+def test_write_here_leaves_the_batches_to_a_writer_in_a_write(tmp_path: Path) -> None:
+    """While the writer thread is in a write, write_here takes nothing (None): the writer
+    writes the batch after its group, in queue order; closed, it takes nothing either."""
+    store = open_counting(tmp_path)
+    store.entered, store.gate = threading.Event(), threading.Event()
+    committer = GroupCommitter(store)
+    first = committer.submit(created(0))
+    assert store.entered.wait(10)  # the writer is in the write of ``first``
+    behind = committer.submit(created(1), wake=False)
+    assert committer.write_here() is None
+    assert not behind.done() and committer.groups_here == 0
+    store.gate.set()
+    assert first.wait(10) < behind.wait(10)
+    assert store.writes == [1, 1]
+    committer.close()
+    assert committer.write_here() is None
+    store.close()
+
+
+def test_write_here_fails_its_group_with_the_writes_error(tmp_path: Path) -> None:
+    class FailingStore(CountingStore):
+        def write_prepared(self, prepared: list[PreparedBatch]) -> list[int]:  # type: ignore[override]
+            raise StoreFailure("the disk is on fire", path=self.path)
+
+    store = FailingStore.open(tmp_path, shard=0, shards=1, epoch=1)
+    with GroupCommitter(store) as committer:
+        tickets = [committer.submit(created(k), wake=False) for k in range(3)]
+        assert committer.write_here() == tickets
+        assert all(isinstance(t.error, StoreFailure) for t in tickets)
+        with pytest.raises(StoreFailure, match="on fire"):
+            tickets[0].wait(1)
+    store.close()
+
+
+def test_write_here_and_the_writer_thread_keep_queue_order(tmp_path: Path) -> None:
+    """Producers on several threads, the writer thread and a caller of write_here racing:
+    every batch is acknowledged exactly once, positions are the queue's order (each
+    producer's batches in the order it submitted them), and the store holds them all."""
+    store = open_counting(tmp_path)
+    producers, each = 4, 60
+    done = threading.Event()
+    acked: dict[int, list[int]] = {p: [] for p in range(producers)}
+    seq_of: dict[int, int] = {}  # batch id -> the position its ticket was given
+    here: list[int] = []
+
+    def produce(p: int) -> None:
+        for i in range(each):
+            # Unwoken batches too: the writer takes them after a write, or the racer does.
+            ticket = committer.submit(created(p * each + i), wake=i % 2 == 0)
+            acked[p].append(ticket.wait(30))
+            seq_of[ticket.batch_id] = acked[p][-1]
+
+    def write_here_often() -> None:
+        while not done.is_set():
+            got = committer.write_here()
+            if got:
+                here.extend(t.seq or 0 for t in got)
+
+    with GroupCommitter(store) as committer:
+        racer = threading.Thread(target=write_here_often)
+        racer.start()
+        threads = [threading.Thread(target=produce, args=(p,)) for p in range(producers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        done.set()
+        racer.join()
+        committer.kick()  # (wake=False batches the racer left: the writer takes them)
+    every = sorted(seq for seqs in acked.values() for seq in seqs)
+    assert every == list(range(1, producers * each + 1))
+    for seqs in acked.values():
+        assert seqs == sorted(seqs)
+    assert sum(store.writes) == producers * each == committer.batches
+    assert len(here) == len(set(here))
+    # The log holds each batch at the position its ticket was told: no group overtook one
+    # taken before it.
+    assert {batch_id: seq for seq, batch_id, _, _ in store.log_batches()} == seq_of
+    for k in range(producers * each):
+        assert store.key_of(f"job-{k}") == k
+    store.close()
+
+
+def test_recent_write_time_remembers_a_slow_write_for_a_while(tmp_path: Path) -> None:
+    """``recent_write_s``: a slow write (a disk that stalls) counts at once and decays by a
+    tenth a write, so that a caller of write_here keeps off a disk that was slow lately."""
+    import time
+
+    slow: list[bool] = []
+
+    class StallingStore(CountingStore):
+        def write_prepared(self, prepared: list[PreparedBatch]) -> list[int]:  # type: ignore[override]
+            if slow:
+                slow.clear()
+                time.sleep(0.05)
+            return super().write_prepared(prepared)
+
+    store = StallingStore.open(tmp_path, shard=0, shards=1, epoch=1)
+    assert isinstance(store, StallingStore)
+    store.writes = []
+    with GroupCommitter(store) as committer:
+        committer.submit(created(0)).wait(10)
+        slow.append(True)
+        committer.submit(created(1)).wait(10)
+        assert committer.recent_write_s >= 0.05
+        committer.submit(created(2)).wait(10)
+        assert committer.recent_write_s >= 0.045  # (0.05 decayed once, at least)
+        for k in range(3, 43):
+            committer.submit(created(k)).wait(10)
+        assert committer.recent_write_s < 0.02  # 0.05 * 0.9 ** 40 is 0.0007
+    store.close()
