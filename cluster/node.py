@@ -130,7 +130,7 @@ UPDATE_MERGE_S = 10.0
 UPDATE_RETRY_S = 0.005
 #: the collector's thresholds of a node that owns its process (see Node.run)
 NODE_GC_THRESHOLDS: Final = (10_000, 20, 100)
-#: A lone request's batches are written on the event loop's own thread (Node._commit_here)
+#: A lone request's batches are written on the event loop's own thread (Node.commit_here)
 #: only while the shard's recent writes, fsync included, took at most this long: the longest
 #: the loop may stall for one. A slower disk costs more than the thread hand-offs it saves.
 INLINE_COMMIT_MAX_WRITE_S: Final = 0.002
@@ -985,14 +985,36 @@ class _Kicker(trio.abc.Instrument):
     (:meth:`ShardHost._persist`) just before Trio's loop waits for I/O, when this thread
     gives up the GIL anyway: the writer then finds the GIL free. Every pass of the loop has
     such a wait (zero timeout when tasks are runnable), so no batch waits past the pass that
-    queued it."""
+    queued it.
+
+    Or, when the loop would otherwise sleep until they are durable (nothing runnable, a lone
+    client's request the only one in flight, after :data:`INLINE_COMMIT_AFTER_LONE` such
+    requests in a row), writes them itself (:meth:`Node.commit_here`). Only here, with
+    nothing runnable: in a task (at a batch's end) the other tasks of the same pass of
+    Trio's loop are not counted as runnable, and each request read in a pass was written
+    and answered alone before the next was read: conns64 fell to one fsync per create
+    (~5,600/s), its requests all "lone". And not for a request alone only for a moment among
+    many clients' (a pass that reads two resets the count): the first of 64 clients'
+    requests back would hold the other 63 behind its fsync (conns64 fell to ~3,000/s)."""
 
     def __init__(self, node: Node) -> None:
         self.node = node
 
     def before_io_wait(self, timeout: float) -> None:
-        if self.node.kicks:
-            self.node.kick_committers(in_loop=True)
+        node = self.node
+        if node.kicks:
+            if (
+                timeout > 0  # nothing runnable: the loop would sleep until these are durable
+                and node.in_flight == 1
+                and node.lone_requests >= INLINE_COMMIT_AFTER_LONE
+            ):
+                node.commit_here()
+            if node.kicks:
+                node.kick_committers(in_loop=True)
+
+
+def _nothing() -> None:
+    """Run by Trio's loop to end its wait for I/O early (:meth:`Node.commit_here`)."""
 
 
 class Node:
@@ -1039,7 +1061,7 @@ class Node:
         self.batching = 0
         self.in_flight = 0  # requests admitted (Connection._admit) and not answered yet
         #: requests in a row admitted with no other in flight: a lone client's, one at a time
-        #: (Node._commit_here), not a lull among many clients' (reset by the next overlap)
+        #: (Node.commit_here), not a lull among many clients' (reset by the next overlap)
         self.lone_requests = 0
         self.turn_due: dict[ShardHost, None] = {}
         self.unsent: dict[Connection, None] = {}
@@ -1068,74 +1090,61 @@ class Node:
             return
         self.batching = 1  # what the work below defers is taken by the loop below
         try:
-            while True:
-                while self.turn_due or self.unsent:
-                    while self.turn_due:
-                        hosts, self.turn_due = self.turn_due, {}
-                        for host in hosts:
-                            try:
-                                host.turn_now()
-                            except Exception as exc:
-                                # A bug (turn itself never raises): the same as in the loop's
-                                # turn, the shard stops; every other host and writer still runs.
-                                host.fail_on_bug(exc, "in an inline turn")
-                    conns, self.unsent = self.unsent, {}
-                    for conn in conns:
-                        conn.write_now()  # never raises
-                # Its acknowledgements make replies and turns: worked through above.
-                if not (
-                    self.kicks
-                    and self.in_flight == 1
-                    and self.lone_requests >= INLINE_COMMIT_AFTER_LONE
-                    and self._commit_here()
-                ):
-                    break
+            while self.turn_due or self.unsent:
+                while self.turn_due:
+                    hosts, self.turn_due = self.turn_due, {}
+                    for host in hosts:
+                        try:
+                            host.turn_now()
+                        except Exception as exc:
+                            # A bug (turn itself never raises): the same as in the loop's
+                            # turn, the shard stops; every other host and writer still runs.
+                            host.fail_on_bug(exc, "in an inline turn")
+                conns, self.unsent = self.unsent, {}
+                for conn in conns:
+                    conn.write_now()  # never raises
         finally:
             self.batching = 0
 
-    def _commit_here(self) -> bool:
-        """A lone request in flight waits for the batches queued without a wake-up
-        (:attr:`kicks`), and nothing else is ready to run: write them on this thread now,
-        fsync included, and take their acknowledgements at once, instead of waking the shard's
-        writer thread and being woken back by it. Those two hand-offs cost more than the
-        write itself here: about 130 us of a lone create's ~650 us round trip, measured
-        (``single`` went from 1,305-1,417 to 1,532-1,777 creates/s, alternately). True when a
-        group was acknowledged (its replies and turns are deferred to the caller's batch).
+    def commit_here(self) -> None:
+        """Write the batches queued without a wake-up (:attr:`kicks`) on this thread, fsync
+        included, and work their acknowledgements through at once, instead of waking each
+        shard's writer thread and being woken back by it. Called by the kicker as Trio's loop
+        is about to wait for I/O with nothing runnable, when a lone client waits for them
+        (see :class:`_Kicker`): the two hand-offs cost more than the write itself here, about
+        130 us of a lone create's ~650 us round trip (``single`` went from 1,305-1,417 to
+        1,532-1,831 creates/s, alternately).
 
-        Not when the shard's writer is busy, nor when its recent writes took longer than
-        :data:`INLINE_COMMIT_MAX_WRITE_S` (``recent_write_s``: a slow disk, this thread would
-        stall for it; the writer thread takes the batch instead, after the kicker wakes it).
-        So the loop stalls for at most one slow fsync when a fast disk turns slow, and not
-        again until ~30 writes in a row were fast. Nor with more than
-        one request in flight or a fire or report alone (``in_flight`` 0): the writer threads
-        then overlap the shards' fsyncs with this loop's work, which the batches' own
-        throughput and the fires' lateness need. Nor for a request alone only for a moment
-        among many clients' (fewer than :data:`INLINE_COMMIT_AFTER_LONE` lone requests in a
-        row): written here, the first of 64 clients' requests back held the other 63 behind
-        its fsync, and ``conns64`` fell from ~9,500 to ~3,000 creates/s. Never raises: a
-        failed write fails its shard as the writer thread's would."""
-        stats = trio.lowlevel.current_statistics()
-        if stats.tasks_runnable or stats.run_sync_soon_queue_size:
-            # Someone else has work (or a group's acknowledgement is already on its way:
-            # acknowledged here first, a later group would overtake it).
-            return False
+        Not for a shard whose writer is in a write (it takes the batches next), nor for one
+        whose recent writes took longer than :data:`INLINE_COMMIT_MAX_WRITE_S`
+        (``recent_write_s``): on a slow disk this thread would stall for each; its writer
+        thread takes them instead, kicked. So the loop stalls for at most one slow fsync when
+        a fast disk turns slow, and not again until ~30 writes in a row were fast. Nor while
+        a writer thread's acknowledgement waits in Trio's queue: a group written here must not
+        be acknowledged before an earlier one. Never raises (an instrument that raises is
+        dropped by Trio): a failed write fails its shard as the writer thread's would."""
+        if trio.lowlevel.current_statistics().run_sync_soon_queue_size:
+            return
         acknowledged = False
         for host in list(self.kicks):
-            committer = host.committer
-            if committer.recent_write_s > INLINE_COMMIT_MAX_WRITE_S:
-                continue
             try:
+                committer = host.committer
+                if committer.recent_write_s > INLINE_COMMIT_MAX_WRITE_S:
+                    continue
                 tickets = committer.write_here()
-            except Exception as exc:  # a bug; the thread's path below still works
+                if tickets is None:
+                    continue  # its writer is in a write: it takes these next, kicked or not
+                del self.kicks[host]
+                if tickets:
+                    acknowledged = True
+                    host._committed(tickets)  # a batch: replies written, turns made
+            except Exception as exc:  # a bug
                 host.fail_on_bug(exc, "committing a lone request's batch")
-                continue
-            if tickets is None:
-                continue  # its writer is in a write: it takes these next, kicked or not
-            del self.kicks[host]
-            if tickets:
-                host._committed(tickets)
-                acknowledged = True
-        return acknowledged
+        if acknowledged and trio.lowlevel.current_statistics().tasks_runnable:
+            # Trio chose how long its coming wait for I/O lasts before this ran: a task this
+            # woke (a shard's loop, a task started) must not wait for the next I/O or
+            # deadline. The wake-up socket cuts the wait short.
+            trio.lowlevel.current_trio_token().run_sync_soon(_nothing)
 
     def kick_committers(self, *, in_loop: bool = False) -> None:
         """Wake the writers of the batches queued without a wake-up (never raises).

@@ -726,7 +726,7 @@ def lone_spec(name: str) -> dict[str, Any]:
 
 def test_a_lone_clients_batches_are_written_on_the_loops_thread(tmp_path: Path) -> None:
     """A client with one request at a time gets its creates written by the event loop's
-    thread once it has sent INLINE_COMMIT_AFTER_LONE of them (Node._commit_here), each
+    thread once it has sent INLINE_COMMIT_AFTER_LONE of them (Node.commit_here), each
     answered once durable; requests in flight together go to the writer thread again."""
     from cluster.node import INLINE_COMMIT_AFTER_LONE
 
