@@ -809,3 +809,39 @@ def test_a_failed_write_on_the_loops_thread_fails_its_shard_and_answers(
     run_lone_client(tmp_path, ask, shards=2)
     assert codes == ["store_io"]
     assert armed[1] == threading.main_thread().name  # written (and failed) by the loop's thread
+
+
+def test_clients_in_flight_together_are_written_by_the_writer_thread(tmp_path: Path) -> None:
+    """After a lone client's run of inline writes, eight clients on connections of their own,
+    a create in flight each: their requests, read in the same passes of the loop, go to the
+    writer thread together (one fsync for many) instead of one inline write each (found by
+    measuring conns64: checked at a batch's end, every request read in a pass looked lone,
+    since Trio does not count the rest of the pass as runnable, and conns64 fell to one fsync
+    a create)."""
+    clients, each = 8, 10
+    here: list[int] = []
+
+    async def ask(client: Client, node: Node) -> None:
+        for n in range(20):
+            await client.create(lone_spec(f"lone-{n}"))
+        committer = node.hosts[0].committer
+        here.append(committer.groups_here)
+        groups_before = committer.groups
+
+        async def one_client(c: int) -> None:
+            async with Client.connect("127.0.0.1", client.port) as other:
+                for n in range(each):
+                    await other.create(lone_spec(f"c{c}-{n}"))
+
+        async with trio.open_nursery() as nursery:
+            for c in range(clients):
+                nursery.start_soon(one_client, c)
+        here.append(committer.groups_here)
+        here.append(committer.groups - groups_before)
+
+    run_lone_client(tmp_path, ask)
+    inline_before, inline_after, groups = here
+    assert inline_before >= 10
+    # A few may still come alone (the clients' first or last requests): not most of 80.
+    assert inline_after - inline_before <= 10, here
+    assert groups < clients * each, here  # the others shared fsyncs
