@@ -4,6 +4,7 @@ processes on 127.0.0.1: the client says ``ConnectionLost`` at once, and ``tickwh
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 import time
@@ -109,3 +110,34 @@ def test_logs_follow_rides_out_a_node_restart_without_repeating_or_skipping(
             follow.wait()
         worker.terminate()
         node.kill()
+
+
+def test_a_request_a_silent_peer_never_answers_times_out() -> None:
+    """A peer that reads requests and never answers: each request raises ``RequestTimeout``
+    after its own timeout (the call's, else the client's), and the connection stays usable
+    for the next one."""
+    from cluster.client import RequestTimeout
+
+    async def main() -> list[float]:
+        took: list[float] = []
+
+        async def silent(stream: trio.SocketStream) -> None:
+            while await stream.receive_some():
+                pass
+
+        async with trio.open_nursery() as nursery:
+            listeners = await nursery.start(
+                functools.partial(trio.serve_tcp, silent, 0, host="127.0.0.1")
+            )
+            port = listeners[0].socket.getsockname()[1]
+            async with Client.connect("127.0.0.1", port, timeout_s=0.3) as c:
+                for timeout_s in (None, 0.1, 0.5):
+                    started = trio.current_time()
+                    with trio.fail_after(10), pytest.raises(RequestTimeout, match="no reply"):
+                        await c.request("ping", timeout_s=timeout_s)
+                    took.append(trio.current_time() - started)
+            nursery.cancel_scope.cancel()
+        return took
+
+    took = trio.run(main)
+    assert 0.3 <= took[0] < 2 and 0.1 <= took[1] < 1.5 and 0.5 <= took[2] < 2.5, took
