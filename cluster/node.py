@@ -274,6 +274,10 @@ class ShardHost:
     last_snapshot_cost_s: float = 0.0  # export and write of the last one
     last_export_s: float = 0.0  # its export alone (on the event loop)
     batch_seq: dict[int, int] = field(default_factory=dict)
+    # Groups the writer thread handed to Trio's loop (on_group), and those the loop took:
+    # unequal while an acknowledgement waits in Trio's queue (Node.commit_here).
+    groups_handed: int = 0
+    groups_taken: int = 0
 
     # ------------------------------------------------------------------ commands in
 
@@ -497,10 +501,15 @@ class ShardHost:
     def on_group(self, tickets: Sequence[Ticket]) -> None:
         """The committer wrote a group (on its thread): one hop to Trio per group, not one per
         batch (each hop is a write to Trio's wake-up socket and a pass of its loop)."""
+        self.groups_handed += 1  # (before the hop; this thread alone counts them)
         try:
-            self.token.run_sync_soon(self._committed, tickets)
+            self.token.run_sync_soon(self._handed, tickets)
         except trio.RunFinishedError:
             pass
+
+    def _handed(self, tickets: Sequence[Ticket]) -> None:
+        self.groups_taken += 1  # (Trio's thread alone counts these)
+        self._committed(tickets)
 
     def _committed(self, tickets: Sequence[Ticket]) -> None:
         batch_seq = self.batch_seq
@@ -835,7 +844,14 @@ class Connection:
         self.in_flight += 1
         node = self.node
         node.in_flight += 1
-        node.lone_requests = node.lone_requests + 1 if node.in_flight == 1 else 0
+        if node.in_flight != 1:
+            node.lone_requests = 0
+        elif node.lone_connection is self:
+            node.lone_requests += 1
+        else:
+            # Another connection's: two clients taking turns (each request read while the
+            # other's is written) are not one lone client, and would gain nothing.
+            node.lone_connection, node.lone_requests = self, 1
 
     def _release(self) -> None:
         self.in_flight -= 1
@@ -989,7 +1005,8 @@ class _Kicker(trio.abc.Instrument):
 
     Or, when the loop would otherwise sleep until they are durable (nothing runnable, a lone
     client's request the only one in flight, after :data:`INLINE_COMMIT_AFTER_LONE` such
-    requests in a row), writes them itself (:meth:`Node.commit_here`). Only here, with
+    requests in a row on its connection), writes them itself (:meth:`Node.commit_here`).
+    Only here, with
     nothing runnable: in a task (at a batch's end) the other tasks of the same pass of
     Trio's loop are not counted as runnable, and each request read in a pass was written
     and answered alone before the next was read: conns64 fell to one fsync per create
@@ -1060,9 +1077,11 @@ class Node:
         # cost a pass of Trio's loop, about half of a lone request's time on this machine.
         self.batching = 0
         self.in_flight = 0  # requests admitted (Connection._admit) and not answered yet
-        #: requests in a row admitted with no other in flight: a lone client's, one at a time
-        #: (Node.commit_here), not a lull among many clients' (reset by the next overlap)
+        #: requests in a row admitted with no other in flight, all on one connection
+        #: (:attr:`lone_connection`): a lone client's, one at a time (Node.commit_here), not a
+        #: lull among many clients' (reset by the next overlap or another connection's)
         self.lone_requests = 0
+        self.lone_connection: Connection | None = None
         self.turn_due: dict[ShardHost, None] = {}
         self.unsent: dict[Connection, None] = {}
         # Shards whose committer got a batch without a wake-up (ShardHost._persist): kicked
@@ -1108,42 +1127,53 @@ class Node:
 
     def commit_here(self) -> None:
         """Write the batches queued without a wake-up (:attr:`kicks`) on this thread, fsync
-        included, and work their acknowledgements through at once, instead of waking each
+        included, and work their acknowledgements through at once, instead of waking the
         shard's writer thread and being woken back by it. Called by the kicker as Trio's loop
         is about to wait for I/O with nothing runnable, when a lone client waits for them
         (see :class:`_Kicker`): the two hand-offs cost more than the write itself here, about
         130 us of a lone create's ~650 us round trip (``single`` went from 1,305-1,417 to
         1,532-1,831 creates/s, alternately).
 
-        Not for a shard whose writer is in a write (it takes the batches next), nor for one
-        whose recent writes took longer than :data:`INLINE_COMMIT_MAX_WRITE_S`
-        (``recent_write_s``): on a slow disk this thread would stall for each; its writer
-        thread takes them instead, kicked. So the loop stalls for at most one slow fsync when
-        a fast disk turns slow, and not again until ~30 writes in a row were fast. Nor while
-        a writer thread's acknowledgement waits in Trio's queue: a group written here must not
-        be acknowledged before an earlier one. Never raises (an instrument that raises is
-        dropped by Trio): a failed write fails its shard as the writer thread's would."""
-        if trio.lowlevel.current_statistics().run_sync_soon_queue_size:
+        Only for one shard's batches: several shards' fsyncs in a row on this thread would
+        take longer than their writer threads fsyncing side by side. Not when the shard's
+        writer is in a write or another thread holds its store (a retention scan, a
+        snapshot's log trim; ``write_here`` waits for neither): its writer takes the batches,
+        kicked. Not when its recent writes took longer than :data:`INLINE_COMMIT_MAX_WRITE_S`
+        (``recent_write_s``): on a slow disk this thread would stall for each. So the loop
+        stalls for at most one slow fsync when a fast disk turns slow, and not again until ~30
+        writes in a row were fast. A group written here while an earlier group's
+        acknowledgement still waits in Trio's queue (its writer finished it meanwhile) is
+        acknowledged behind it, through the same queue: never first (its Durable would
+        release the earlier group's replies, which a failed write must not). Never raises
+        (an instrument that raises is dropped by Trio): a failed write fails its shard as the
+        writer thread's would."""
+        if len(self.kicks) != 1:
             return
-        acknowledged = False
-        for host in list(self.kicks):
-            try:
-                committer = host.committer
-                if committer.recent_write_s > INLINE_COMMIT_MAX_WRITE_S:
-                    continue
-                tickets = committer.write_here()
-                if tickets is None:
-                    continue  # its writer is in a write: it takes these next, kicked or not
-                del self.kicks[host]
-                if tickets:
-                    acknowledged = True
+        (host,) = self.kicks
+        woke = False
+        try:
+            committer = host.committer
+            if committer.recent_write_s > INLINE_COMMIT_MAX_WRITE_S:
+                return
+            tickets = committer.write_here()
+            if tickets is None:
+                return  # its writer (kicked) takes these
+            del self.kicks[host]
+            if tickets:
+                woke = True
+                if host.groups_handed != host.groups_taken:
+                    # (read after write_here: the writer hands a group off before it lets go
+                    # of the write lock that write_here took after it)
+                    host.token.run_sync_soon(host._committed, tickets)
+                else:
                     host._committed(tickets)  # a batch: replies written, turns made
-            except Exception as exc:  # a bug
-                host.fail_on_bug(exc, "committing a lone request's batch")
-        if acknowledged and trio.lowlevel.current_statistics().tasks_runnable:
+        except Exception as exc:  # a bug
+            woke = True
+            host.fail_on_bug(exc, "committing a lone request's batch")
+        if woke and trio.lowlevel.current_statistics().tasks_runnable:
             # Trio chose how long its coming wait for I/O lasts before this ran: a task this
-            # woke (a shard's loop, a task started) must not wait for the next I/O or
-            # deadline. The wake-up socket cuts the wait short.
+            # woke (a shard's loop, a task started, a request answered with a failure) must
+            # not wait for the next I/O or deadline. The wake-up socket cuts the wait short.
             trio.lowlevel.current_trio_token().run_sync_soon(_nothing)
 
     def kick_committers(self, *, in_loop: bool = False) -> None:

@@ -89,6 +89,12 @@ class CommitQueue(Generic[T]):
         self._bytes -= total
         return out
 
+    def push_front(self, entries: Sequence[tuple[T, int]]) -> None:
+        """Put ``entries`` (item, size), a group just taken and not written, back ahead of
+        everything queued, in their order."""
+        self._items.extendleft(reversed(entries))
+        self._bytes += sum(size for _, size in entries)
+
     def __len__(self) -> int:
         return len(self._items)
 
@@ -255,11 +261,13 @@ class GroupCommitter:
         self.close()
 
     def write_here(self) -> list[Ticket] | None:
-        """Write everything queued on the calling thread, now, if the writer thread is not in
-        a write: one group, its tickets resolved, in order, with their callbacks called here
-        (``on_group`` is not: the caller has the tickets). [] when nothing was queued. None
-        when the writer thread is writing, or the committer is closed: nothing is taken, and
-        the writer writes it after its current group.
+        """Write everything queued on the calling thread, now, if nothing else holds the
+        store: one group, its tickets resolved, in order, with their callbacks called here
+        (``on_group`` is not: the caller has the tickets). [] when nothing was queued. None,
+        nothing written, when the writer thread is writing, when another thread holds the
+        store (a retention scan, a snapshot's log trim: never waited for), or when the
+        committer is closed: the batches stay queued, first, for the writer (a caller that
+        queued them with ``wake=False`` kicks it).
 
         For a caller whose next step is to wait for these very batches (an event loop with a
         lone request in flight): it saves the two thread hand-offs of the writer's path at the
@@ -273,8 +281,13 @@ class GroupCommitter:
                 group = self._queue.take()
             if not group:
                 return []
+            tickets = self._write_group(group, wait=False)
+            if tickets is None:
+                with self._mutex:  # back where they were: ahead of anything queued since
+                    self._queue.push_front([(item, item[0].size) for item in group])
+                return None
             self.groups_here += 1
-            return self._write_group(group)
+            return tickets
         finally:
             self._write_lock.release()
 
@@ -294,6 +307,7 @@ class GroupCommitter:
                             return  # everything queued was written
                         continue
                 tickets = self._write_group(group)
+                assert tickets is not None  # (it waits for the store)
                 # Inside the write lock: a write_here after this group sees its hand-off
                 # already made (the node relies on it to keep acknowledgements in order).
                 if self._on_group is not None:
@@ -302,13 +316,23 @@ class GroupCommitter:
                     except Exception:  # like a ticket's callback: must not stop the writer
                         log.exception("group callback failed")
 
-    def _write_group(self, group: list[tuple[PreparedBatch, Ticket]]) -> list[Ticket]:
-        """Write ``group`` (the write lock held), then resolve its tickets in order."""
+    def _write_group(
+        self, group: list[tuple[PreparedBatch, Ticket]], *, wait: bool = True
+    ) -> list[Ticket] | None:
+        """Write ``group`` (the write lock held), then resolve its tickets in order. Without
+        ``wait``: None when another thread holds the store (nothing written or resolved)."""
         error: StoreError | None = None
         seqs: list[int] = []
         started = time.perf_counter()
         try:
-            seqs = self.store.write_prepared([p for p, _ in group])
+            prepared = [p for p, _ in group]
+            if wait:
+                seqs = self.store.write_prepared(prepared)
+            else:
+                written = self.store.try_write_prepared(prepared)
+                if written is None:
+                    return None
+                seqs = written
         except StoreError as exc:
             error = exc
         except Exception as exc:  # a bug, not the disk; still, nobody may wait forever

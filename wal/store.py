@@ -294,7 +294,9 @@ class ShardStore:
         self._sync.sync = True
         self._nosync = WriteOptions()
         self._nosync.sync = False
-        self._lock = threading.Lock()
+        # Reentrant: try_write_prepared holds it around write_prepared (which a test double
+        # may override), and writes take it again.
+        self._lock = threading.RLock()
         self._snapshot_lock = threading.Lock()
         self._last_seq = 0
         self._snapshot_seq = -1
@@ -590,6 +592,17 @@ class ShardStore:
         Cost: O(records) encoding plus one multi-get per group for the counts, one write.
         """
         return self.write_prepared([self.prepare(b) for b in batches])
+
+    def try_write_prepared(self, prepared: Sequence[PreparedBatch]) -> list[int] | None:
+        """:meth:`write_prepared`, or None at once, nothing written, when another thread
+        holds the store (a retention pass's scan, a snapshot trimming the log): for a caller
+        that must not wait for those (an event loop)."""
+        if not self._lock.acquire(False):
+            return None
+        try:
+            return self.write_prepared(prepared)  # (the lock is reentrant)
+        finally:
+            self._lock.release()
 
     def write_prepared(self, prepared: Sequence[PreparedBatch]) -> list[int]:
         """:meth:`write` for batches already :meth:`prepare`-d (the group committer's path)."""

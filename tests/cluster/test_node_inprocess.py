@@ -720,14 +720,23 @@ def run_lone_client(
     return node
 
 
+def fast_disk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Writes on the loop's thread whatever the disk's speed: a test machine's fsync may
+    take longer than INLINE_COMMIT_MAX_WRITE_S now and then (its own test sets it to 0)."""
+    monkeypatch.setattr("cluster.node.INLINE_COMMIT_MAX_WRITE_S", 60.0)
+
+
 def lone_spec(name: str) -> dict[str, Any]:
     return {"id": name, "schedule": soon(3600), "task": {"payload": {}}}
 
 
-def test_a_lone_clients_batches_are_written_on_the_loops_thread(tmp_path: Path) -> None:
+def test_a_lone_clients_batches_are_written_on_the_loops_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A client with one request at a time gets its creates written by the event loop's
     thread once it has sent INLINE_COMMIT_AFTER_LONE of them (Node.commit_here), each
     answered once durable; requests in flight together go to the writer thread again."""
+    fast_disk(monkeypatch)
     from cluster.node import INLINE_COMMIT_AFTER_LONE
 
     lone = 20
@@ -774,6 +783,7 @@ def test_a_failed_write_on_the_loops_thread_fails_its_shard_and_answers(
     """The loop's own write of a lone request's batch fails (the disk): the shard stops as
     when its writer thread's write fails, and the request is answered with the failure at
     once (nothing acknowledged); the other shard goes on."""
+    fast_disk(monkeypatch)
     import threading
 
     from cluster.node import INLINE_COMMIT_AFTER_LONE
@@ -811,13 +821,16 @@ def test_a_failed_write_on_the_loops_thread_fails_its_shard_and_answers(
     assert armed[1] == threading.main_thread().name  # written (and failed) by the loop's thread
 
 
-def test_clients_in_flight_together_are_written_by_the_writer_thread(tmp_path: Path) -> None:
+def test_clients_in_flight_together_are_written_by_the_writer_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """After a lone client's run of inline writes, eight clients on connections of their own,
     a create in flight each: their requests, read in the same passes of the loop, go to the
     writer thread together (one fsync for many) instead of one inline write each (found by
     measuring conns64: checked at a batch's end, every request read in a pass looked lone,
     since Trio does not count the rest of the pass as runnable, and conns64 fell to one fsync
     a create)."""
+    fast_disk(monkeypatch)
     clients, each = 8, 10
     here: list[int] = []
 
@@ -845,3 +858,96 @@ def test_clients_in_flight_together_are_written_by_the_writer_thread(tmp_path: P
     # A few may still come alone (the clients' first or last requests): not most of 80.
     assert inline_after - inline_before <= 10, here
     assert groups < clients * each, here  # the others shared fsyncs
+
+
+def test_two_clients_taking_turns_are_not_one_lone_client(tmp_path: Path) -> None:
+    """Two connections, one request at a time between them (A, B, A, B...): each request is
+    alone in flight, but they are not one lone client (each would be read while the other's
+    is written, and written here they would take turns with their fsyncs): the writer thread
+    writes them all."""
+    here: list[int] = []
+
+    async def ask(client: Client, node: Node) -> None:
+        async with Client.connect("127.0.0.1", client.port) as other:
+            for n in range(20):
+                await client.create(lone_spec(f"a-{n}"))
+                await other.create(lone_spec(f"b-{n}"))
+        here.append(node.hosts[0].committer.groups_here)
+
+    run_lone_client(tmp_path, ask)
+    assert here == [0]
+
+
+def test_a_lone_request_for_several_shards_is_left_to_their_writer_threads(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A lone client's create_many with jobs on both shards: two fsyncs one after the other
+    on the loop's thread would take longer than the two writer threads side by side; they
+    write it. Its creates on one shard alone are still written on the loop's thread."""
+    fast_disk(monkeypatch)
+    from cluster.node import INLINE_COMMIT_AFTER_LONE
+    from engine.routing import shard_of
+
+    counts: list[tuple[int, int]] = []
+    names = [f"job-{n}" for n in range(400)]
+    on_0 = [name for name in names if shard_of(name, 2) == 0]
+    on_1 = [name for name in names if shard_of(name, 2) == 1]
+
+    async def ask(client: Client, node: Node) -> None:
+        def here() -> tuple[int, int]:
+            return (node.hosts[0].committer.groups_here, node.hosts[1].committer.groups_here)
+
+        for name in on_0[: INLINE_COMMIT_AFTER_LONE + 4]:
+            await client.create(lone_spec(name))
+        counts.append(here())
+        for k in range(3):
+            both = [on_0[20 + k], on_1[k]]
+            results = await client.create_many([lone_spec(name) for name in both])
+            assert all(r["ok"] for r in results)
+        counts.append(here())
+        await client.create(lone_spec(on_0[30]))
+        counts.append(here())
+
+    run_lone_client(tmp_path, ask, shards=2)
+    lone, after_many, after_one = counts
+    assert lone[0] >= 4 and lone[1] == 0
+    assert after_many == lone  # nothing of the create_many written on the loop's thread
+    assert after_one == (lone[0] + 1, 0)
+
+
+def test_a_group_written_here_is_acknowledged_behind_a_group_still_in_trios_queue(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When a group the writer thread wrote is still waiting in Trio's queue for its
+    acknowledgement (``groups_handed`` ahead of ``groups_taken``), a group written on the
+    loop's thread is acknowledged through the same queue, behind it, not at once: the
+    lone client's creates are still answered, each once durable."""
+    fast_disk(monkeypatch)
+    from cluster.node import INLINE_COMMIT_AFTER_LONE, ShardHost
+
+    deferred: list[int] = []
+    real_committed = ShardHost._committed
+
+    def committed(self: ShardHost, tickets: Any) -> None:
+        if self.groups_handed != self.groups_taken:
+            deferred.append(len(tickets))
+        real_committed(self, tickets)
+
+    monkeypatch.setattr(ShardHost, "_committed", committed)
+
+    async def ask(client: Client, node: Node) -> None:
+        host = node.hosts[0]
+        for n in range(INLINE_COMMIT_AFTER_LONE + 2):
+            await client.create(lone_spec(f"warm-{n}"))
+        # As if a group's acknowledgement were still in Trio's queue (never taken here).
+        host.groups_handed += 1
+        before = host.committer.groups_here
+        for n in range(5):
+            await client.create(lone_spec(f"behind-{n}"))
+        assert host.committer.groups_here == before + 5  # written on the loop's thread...
+        for n in range(5):
+            assert (await client.get(f"behind-{n}"))["job_id"] == f"behind-{n}"
+
+    run_lone_client(tmp_path, ask)
+    assert deferred == [1] * 5  # ...and acknowledged through Trio's queue

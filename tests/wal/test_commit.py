@@ -60,21 +60,28 @@ def reference_take(queue: list[tuple[int, int]], policy: CommitPolicy) -> list[i
 @given(
     st.integers(1, 6),
     st.integers(1, 100),
-    st.lists(st.one_of(st.integers(0, 60), st.none()), max_size=60),
+    st.lists(st.one_of(st.integers(-1, 60), st.none()), max_size=60),
 )
 def test_queue_cuts_groups_as_the_reference_does(
     max_batches: int, max_bytes: int, steps: list[int | None]
 ) -> None:
-    # None: take a group; a size: push an item of that size
+    # None: take a group; -1: take a group and put it back (a write that did not happen);
+    # a size: push an item of that size
     policy = CommitPolicy(max_batches=max_batches, max_bytes=max_bytes)
     q: CommitQueue[int] = CommitQueue(policy)
     model: list[tuple[int, int]] = []
+    sizes: dict[int, int] = {}
     for i, step in enumerate(steps + [None] * len(steps)):
         if step is None:
             assert q.take() == reference_take(model, policy)
+        elif step == -1:
+            group = q.take()
+            assert group == reference_take(list(model), policy)
+            q.push_front([(item, sizes[item]) for item in group])  # the model is unchanged
         else:
             q.push(i, step)
             model.append((i, step))
+            sizes[i] = step
         assert len(q) == len(model) and q.queued_bytes == sum(s for _, s in model)
 
 
@@ -430,4 +437,35 @@ def test_recent_write_time_remembers_a_slow_write_for_a_while(tmp_path: Path) ->
         for k in range(3, 43):
             committer.submit(created(k)).wait(10)
         assert committer.recent_write_s < 0.02  # 0.05 * 0.9 ** 40 is 0.0007
+    store.close()
+
+
+def test_write_here_leaves_the_batches_when_another_thread_holds_the_store(
+    tmp_path: Path,
+) -> None:
+    """A retention scan or a snapshot's log trim holds the store: write_here does not wait
+    for it (None, nothing written); the batches stay first in the queue, and once kicked the
+    writer writes them, in order, ahead of those queued after."""
+    store = open_counting(tmp_path)
+    held, release = threading.Event(), threading.Event()
+
+    def hold_the_store() -> None:
+        with store._lock:
+            held.set()
+            release.wait(10)
+
+    with GroupCommitter(store) as committer:
+        committer.submit(created(0)).wait(10)
+        first = committer.submit(created(1), wake=False)
+        holder = threading.Thread(target=hold_the_store)
+        holder.start()
+        assert held.wait(10)
+        assert committer.write_here() is None
+        assert not first.done() and committer.groups_here == 0
+        second = committer.submit(created(2), wake=False)
+        release.set()
+        holder.join()
+        committer.kick()
+        assert first.wait(10) < second.wait(10)
+    assert store.writes[0] == 1 and sum(store.writes) == 3
     store.close()
