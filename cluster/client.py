@@ -416,7 +416,9 @@ class Client:
                     if trio.current_time() >= deadline:
                         raise
             if scope.cancelled_caught:
-                raise RequestTimeout(f"{op}: no reply within {timeout_s or self.timeout_s} s")
+                raise RequestTimeout(
+                    f"{op}: no reply within {timeout_s or self.timeout_s} s"
+                ) from None
             await trio.sleep(0.05)
 
     def _frame(self, op: str, args: dict[str, Any]) -> tuple[int, bytes]:
