@@ -644,6 +644,36 @@ def test_a_lone_create_wakes_the_writer_only_when_the_loop_waits(
     run_with_node(tmp_path, body)
 
 
+def run_lone_client(
+    tmp_path: Path,
+    ask: Callable[[Client, Node], Awaitable[None]],
+    *,
+    shards: int = 1,
+    **node_options: Any,
+) -> Node:
+    """A node in this thread's Trio run, its one client in a thread of its own (own Trio
+    run): the node's loop has nothing else to do between the client's requests, as with a
+    client in another process. Returns the node, stopped."""
+    node = Node(tmp_path / "data", shards=shards, **node_options)
+
+    def client_side(port: int) -> None:
+        async def run() -> None:
+            async with Client.connect("127.0.0.1", port) as client:
+                await ask(client, node)
+
+        trio.run(run)
+
+    async def main() -> None:
+        with trio.fail_after(50):
+            async with trio.open_nursery() as nursery:
+                port = await nursery.start(node.run)
+                await trio.to_thread.run_sync(client_side, port)
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    return node
+
+
 def test_a_kick_that_fails_stops_its_shard_without_stalling_the_loop(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -666,58 +696,18 @@ def test_a_kick_that_fails_stops_its_shard_without_stalling_the_loop(
     monkeypatch.setattr(GroupCommitter, "kick", kick)
     codes: list[str] = []
 
-    def client_side(port: int) -> None:
-        async def ask() -> None:
-            async with Client.connect("127.0.0.1", port) as client:
-                # A job due sooner: the shard's loop then sleeps past the next create's
-                # time, so that create does not wake it (nothing else runnable then).
-                await client.create(
-                    {"id": "sooner", "schedule": soon(1800), "task": {"shell": "true"}}
-                )
-                armed.append(True)
-                with trio.fail_after(10), pytest.raises(RemoteError) as failed:
-                    spec = {"id": "kicked", "schedule": soon(3600), "task": {"shell": "true"}}
-                    await client.create(spec)
-                codes.append(failed.value.code)
+    async def ask(client: Client, node: Node) -> None:
+        # A job due sooner: the shard's loop then sleeps past the next create's time, so
+        # that create does not wake it (nothing else runnable then).
+        await client.create({"id": "sooner", "schedule": soon(1800), "task": {"shell": "true"}})
+        armed.append(True)
+        with trio.fail_after(10), pytest.raises(RemoteError) as failed:
+            spec = {"id": "kicked", "schedule": soon(3600), "task": {"shell": "true"}}
+            await client.create(spec)
+        codes.append(failed.value.code)
 
-        trio.run(ask)
-
-    async def main() -> None:
-        node = Node(tmp_path / "data", shards=1, retain_every_s=30.0)
-        with trio.fail_after(50):
-            async with trio.open_nursery() as nursery:
-                port = await nursery.start(node.run)
-                await trio.to_thread.run_sync(client_side, port)
-                nursery.cancel_scope.cancel()
-
-    trio.run(main)
+    run_lone_client(tmp_path, ask, retain_every_s=30.0)
     assert codes == ["shard_failed"]
-
-
-def run_lone_client(
-    tmp_path: Path, ask: Callable[[Client, Node], Awaitable[None]], *, shards: int = 1
-) -> Node:
-    """A node in this thread's Trio run, its one client in a thread of its own (own Trio
-    run): the node's loop has nothing else to do between the client's requests, as with a
-    client in another process. Returns the node, stopped."""
-    node = Node(tmp_path / "data", shards=shards)
-
-    def client_side(port: int) -> None:
-        async def run() -> None:
-            async with Client.connect("127.0.0.1", port) as client:
-                await ask(client, node)
-
-        trio.run(run)
-
-    async def main() -> None:
-        with trio.fail_after(50):
-            async with trio.open_nursery() as nursery:
-                port = await nursery.start(node.run)
-                await trio.to_thread.run_sync(client_side, port)
-                nursery.cancel_scope.cancel()
-
-    trio.run(main)
-    return node
 
 
 def fast_disk(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -105,6 +105,13 @@ class CountingStore(ShardStore):
         return super().write_prepared(prepared)
 
 
+class FailingStore(CountingStore):
+    """A store whose every write fails as a disk would."""
+
+    def write_prepared(self, prepared: list[PreparedBatch]) -> list[int]:  # type: ignore[override]
+        raise StoreFailure("the disk is on fire", path=self.path)
+
+
 def open_counting(path: Path, epoch: int = 1) -> CountingStore:
     store = CountingStore.open(path, shard=0, shards=1, epoch=epoch)
     assert isinstance(store, CountingStore)
@@ -179,10 +186,6 @@ def test_a_stale_batch_fails_alone_at_submit(tmp_path: Path) -> None:
 
 
 def test_a_failed_write_fails_every_ticket_of_its_group(tmp_path: Path) -> None:
-    class FailingStore(CountingStore):
-        def write_prepared(self, prepared: list[PreparedBatch]) -> list[int]:  # type: ignore[override]
-            raise StoreFailure("the disk is on fire", path=self.path)
-
     store = FailingStore.open(tmp_path, shard=0, shards=1, epoch=1)
     errors: list[StoreError | None] = []
     with GroupCommitter(store) as committer:
@@ -347,10 +350,6 @@ def test_write_here_leaves_the_batches_to_a_writer_in_a_write(tmp_path: Path) ->
 
 
 def test_write_here_fails_its_group_with_the_writes_error(tmp_path: Path) -> None:
-    class FailingStore(CountingStore):
-        def write_prepared(self, prepared: list[PreparedBatch]) -> list[int]:  # type: ignore[override]
-            raise StoreFailure("the disk is on fire", path=self.path)
-
     store = FailingStore.open(tmp_path, shard=0, shards=1, epoch=1)
     with GroupCommitter(store) as committer:
         tickets = [committer.submit(created(k), wake=False) for k in range(3)]
