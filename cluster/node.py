@@ -717,6 +717,8 @@ class Connection:
             log.exception("connection failed")
         finally:
             self.closed = True
+            if self.node.lone_connection is self:
+                self.node.lone_connection = None  # (nothing keeps a closed connection)
             if self.worker is not None and self.node.workers.get(self.worker.worker_id) is (
                 self.worker
             ):
@@ -1006,13 +1008,13 @@ class _Kicker(trio.abc.Instrument):
     Or, when the loop would otherwise sleep until they are durable (nothing runnable, a lone
     client's request the only one in flight, after :data:`INLINE_COMMIT_AFTER_LONE` such
     requests in a row on its connection), writes them itself (:meth:`Node.commit_here`).
-    Only here, with
-    nothing runnable: in a task (at a batch's end) the other tasks of the same pass of
-    Trio's loop are not counted as runnable, and each request read in a pass was written
-    and answered alone before the next was read: conns64 fell to one fsync per create
-    (~5,600/s), its requests all "lone". And not for a request alone only for a moment among
-    many clients' (a pass that reads two resets the count): the first of 64 clients'
-    requests back would hold the other 63 behind its fsync (conns64 fell to ~3,000/s)."""
+    Only here, with nothing runnable: in a task (at a batch's end) the other tasks of the
+    same pass of Trio's loop are not counted as runnable, and each request read in a pass
+    was written and answered alone before the next was read: conns64 fell to one fsync per
+    create (~5,600/s), its requests all "lone". And not for a request alone only for a
+    moment among many clients' (a pass that reads two resets the count): the first of 64
+    clients' requests back would hold the other 63 behind its fsync (conns64 fell to
+    ~3,000/s)."""
 
     def __init__(self, node: Node) -> None:
         self.node = node
