@@ -125,6 +125,10 @@ class FrameDecoder:
         bytes)."""
         return self._events.popleft() if self._events else None
 
+    def has_event(self) -> bool:
+        """Whether :meth:`next_event` has a message (or error) to give now."""
+        return bool(self._events)
+
     @property
     def pending_bytes(self) -> int:
         """Bytes held for a frame not yet complete."""

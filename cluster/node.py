@@ -31,6 +31,7 @@ import json
 import logging
 import math
 import os
+import select
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
@@ -54,7 +55,7 @@ from cluster.protocol import (
     parse_request,
     push,
 )
-from cluster.rawio import Outbox, RawSocketIO
+from cluster.rawio import READ_BYTES, Outbox, RawSocketIO, translate_socket_error
 from engine.effects import (
     CancelJob,
     ClockJump,
@@ -674,11 +675,83 @@ class ShardHost:
                 delay = min(delay * 2, 5.0)
 
 
+#: What a parked connection's read found when its peer closed its side (end of stream).
+_EOF: Final = object()
+#: Most ready connections one pass of the poller takes (the rest: its next pass).
+POLL_EVENTS: Final = 256
+
+
+class ReadPoller:
+    """One task that reads every connection waiting for its peer's next request.
+
+    A connection's reader task parks here between requests (:meth:`Connection._parked`); its
+    socket joins this poller's own epoll set (level-triggered, so bytes that came before it
+    joined wake it at once). Trio's loop waits on that set's descriptor: one wait, and one
+    re-arming of it, a pass of the loop for all of them, instead of a wait, a re-arming
+    (``epoll_ctl``) and a task's wake-up a request. The poller reads each ready socket once
+    and works its requests through (:meth:`Connection.read_parked`), all in one batch of the
+    node; a connection goes back to its own task only for what needs a wait (back-pressure,
+    no place in flight, many requests in one read) or ends it (end of stream, an error).
+
+    Guarantees: a connection's bytes are read in order by one reader at a time (parked: the
+    poller; else its task); a parked connection is unparked before its task goes on, however
+    the wait ends (cancelled included), so a closed socket never stays in the set. Never
+    raises out of a pass for one connection's trouble: that connection's task gets it.
+    """
+
+    def __init__(self) -> None:
+        self.epoll = select.epoll()
+        self.parked: dict[int, Connection] = {}
+        self.reads = 0  # reads of parked connections
+        self.handed_back = 0  # connections handed back to their task
+
+    def park(self, conn: Connection, fd: int) -> None:
+        self.epoll.register(fd, select.EPOLLIN)
+        self.parked[fd] = conn
+        conn.parked_fd = fd
+
+    def unpark(self, conn: Connection) -> None:
+        """Take ``conn`` out of the set (idempotent)."""
+        fd, conn.parked_fd = conn.parked_fd, None
+        if fd is not None and self.parked.get(fd) is conn:
+            del self.parked[fd]
+            try:
+                self.epoll.unregister(fd)
+            except OSError:  # (a socket closed meanwhile has left the set by itself)
+                pass
+
+    async def run(self, node: Node) -> None:
+        epoll, parked = self.epoll, self.parked
+        try:
+            while True:
+                await trio.lowlevel.wait_readable(epoll.fileno())
+                ready = epoll.poll(0, POLL_EVENTS)
+                with node.batch:
+                    for fd, _mask in ready:
+                        conn = parked.get(fd)
+                        if conn is not None:
+                            self.reads += 1
+                            conn.read_parked(fd)
+        finally:
+            # The node stops: every connection still parked goes back to its task (which is
+            # being cancelled too), and the set is closed.
+            node.poller = None  # (a connection's task reads its socket itself from now)
+            for conn in list(parked.values()):
+                self.unpark(conn)
+                conn.resume(None)
+            self.epoll.close()
+
+
 # =============================================================================== connections
 
 
 class Connection:
-    """One client or worker connection: a reader task, a writer task, requests in between."""
+    """One client or worker connection: a reader task, a writer task, requests in between.
+
+    Between requests the reader task is parked in the node's :class:`ReadPoller`, which reads
+    the socket and works the requests through itself; the task takes over only for what needs
+    a wait (back-pressure, no place in flight, a long run of requests in one read) and at the
+    connection's end."""
 
     def __init__(self, node: Node, stream: trio.SocketStream) -> None:
         self.node = node
@@ -697,6 +770,13 @@ class Connection:
         self.room: trio.Event | None = None  # set while the reader waits for a place
         self.worker: WorkerSession | None = None
         self.closed = False
+        self.nursery: trio.Nursery | None = None  # the connection's (its requests' tasks)
+        # While parked in the node's poller (ReadPoller): its fd there, the event that wakes
+        # the reader task, and what the poller hands back with it.
+        self.parked_fd: int | None = None
+        self.resumed: trio.Event | None = None
+        self.park_outcome: object = None
+        self.held: Request | None = None  # parsed by the poller, waiting for a place
 
     async def serve(self) -> None:
         try:
@@ -776,14 +856,75 @@ class Connection:
             self.outbox.write_now()
 
     async def _reader(self, nursery: trio.Nursery) -> None:
+        self.nursery = nursery
         while True:
             await self.outbox.wait_room()  # TCP back-pressure on a peer that does not read
-            data = await self.io.receive_some()
-            if not data:
-                return
-            self.decoder.feed(data)
+            poller = self.node.poller
+            if poller is not None:
+                # Parked until the poller meets something it leaves to this task: the peer's
+                # EOF or a broken socket, or requests that need a wait (see _handle_ready).
+                outcome = await self._parked(poller)
+                if outcome is _EOF:
+                    return
+                if isinstance(outcome, OSError):
+                    raise translate_socket_error(outcome) from outcome
+                if isinstance(outcome, Exception):
+                    raise outcome  # (a bug met by the poller in this connection's requests)
+            else:
+                data = await self.io.receive_some()
+                if not data:
+                    return
+                self.decoder.feed(data)
             with self.node.batch:
                 await self._handle_events(nursery)
+
+    async def _parked(self, poller: ReadPoller) -> object:
+        """Wait in ``poller`` until it hands this connection back: what its read met
+        (:data:`_EOF`, an :class:`OSError`, or the exception of a bug met while working
+        through the requests), or None when requests it read wait in :attr:`held` or the
+        decoder for this task. Cancellable; never left parked."""
+        fd = self.io.fileno()  # (a closed stream raises here, as a read of it would)
+        self.resumed = resumed = trio.Event()
+        self.park_outcome = None
+        poller.park(self, fd)
+        try:
+            await resumed.wait()
+        finally:
+            poller.unpark(self)
+        return self.park_outcome
+
+    def read_parked(self, fd: int) -> None:
+        """The poller's read of this parked connection (its socket is readable): the requests
+        read are worked through here (:meth:`_handle_ready`), in the poller's batch; the task
+        is woken only for what needs it. Never raises."""
+        try:
+            data = os.read(fd, READ_BYTES)
+        except BlockingIOError:
+            return  # (another reader took the bytes: nothing to do)
+        except OSError as exc:
+            self.resume(exc)
+            return
+        if not data:
+            self.resume(_EOF)
+            return
+        try:
+            self.decoder.feed(data)
+            if not self._handle_ready():
+                self.resume(None)
+        except Exception as exc:  # a bug: its task raises it, and this connection ends
+            self.resume(exc)
+
+    def resume(self, outcome: object) -> None:
+        """Hand this connection back to its task with ``outcome`` (see :meth:`_parked`)."""
+        poller = self.node.poller
+        if poller is not None:
+            poller.unpark(self)
+            poller.handed_back += 1
+        self.park_outcome = outcome
+        resumed = self.resumed
+        if resumed is not None:
+            self.resumed = None
+            resumed.set()
 
     async def _handle_events(self, nursery: trio.Nursery) -> None:
         """Every whole request read so far. Runs inside a batch of the node's
@@ -792,6 +933,10 @@ class Connection:
         for it."""
         node = self.node
         outbox = self.outbox
+        held, self.held = self.held, None
+        if held is not None:  # (the poller's, which found no place for it in flight)
+            await self._admit()
+            self._start(held, nursery)
         handled = 0
         while (event := self.decoder.next_event()) is not None:
             handled += 1
@@ -805,32 +950,67 @@ class Connection:
                 # requests (those read already wait here) until it has read enough.
                 with node.unbatched:
                     await outbox.wait_room()
-            if isinstance(event, ProtocolError):
-                self.send(error(event.request_id, event.code, event.message))
-                continue
-            try:
-                request = parse_request(event)
-            except BadArgs as exc:
-                self.send(error(exc.request_id, exc.code, exc.message, exc.field))
-                continue
-            except ProtocolError as exc:
-                self.send(error(exc.request_id, exc.code, exc.message))
+            request = self._parse(event)
+            if request is None:
                 continue
             if request.op in _QUICK_OPS:
                 self._answer_now(request)
                 continue
-            if request.op in _REPORT_OPS:
-                # Answered by callback once the reports are durable: no task each.
-                await self._admit()
-                self._report_now(request)
-                continue
-            if request.op == "job.create":
-                # The commonest request waits for its batch's fsync: a callback answers
-                # it, so that thousands in flight cost no task each.
-                await self._admit()
-                self._create_now(request)
-                continue
             await self._admit()
+            self._start(request, nursery)
+
+    def _handle_ready(self) -> bool:
+        """:meth:`_handle_events` in the poller, which must never wait: the requests read so
+        far, until one would need a wait (its connection's replies above the high-water mark,
+        no place in flight, :data:`YIELD_EVERY` requests taken). False when some are left for
+        the connection's task, in :attr:`held` (parsed, waiting for a place) or the
+        decoder."""
+        outbox = self.outbox
+        handled = 0
+        while True:
+            if handled >= YIELD_EVERY or outbox.queued > outbox.high_water:
+                return not self.decoder.has_event()
+            event = self.decoder.next_event()
+            if event is None:
+                return True
+            handled += 1
+            request = self._parse(event)
+            if request is None:
+                continue
+            if request.op in _QUICK_OPS:
+                self._answer_now(request)
+                continue
+            if self.in_flight >= MAX_IN_FLIGHT:
+                self.held = request
+                return False
+            self._take_place()
+            assert self.nursery is not None  # (set before the reader parks)
+            self._start(request, self.nursery)
+
+    def _parse(self, event: Message | ProtocolError) -> Request | None:
+        """The request of ``event``; None, the peer told its typed error, for one that is
+        malformed."""
+        if isinstance(event, ProtocolError):
+            self.send(error(event.request_id, event.code, event.message))
+            return None
+        try:
+            return parse_request(event)
+        except BadArgs as exc:
+            self.send(error(exc.request_id, exc.code, exc.message, exc.field))
+        except ProtocolError as exc:
+            self.send(error(exc.request_id, exc.code, exc.message))
+        return None
+
+    def _start(self, request: Request, nursery: trio.Nursery) -> None:
+        """Work through a request given its place in flight (never waits)."""
+        if request.op in _REPORT_OPS:
+            # Answered by callback once the reports are durable: no task each.
+            self._report_now(request)
+        elif request.op == "job.create":
+            # The commonest request waits for its batch's fsync: a callback answers it, so
+            # that thousands in flight cost no task each.
+            self._create_now(request)
+        else:
             nursery.start_soon(self._handle, request)
 
     async def _admit(self) -> None:
@@ -843,6 +1023,9 @@ class Connection:
             room = self.room = trio.Event()
             with self.node.unbatched:
                 await room.wait()
+        self._take_place()
+
+    def _take_place(self) -> None:
         self.in_flight += 1
         node = self.node
         node.in_flight += 1
@@ -1091,6 +1274,8 @@ class Node:
         # pass of the loop has one, with a zero timeout when tasks are runnable).
         self.kicks: dict[ShardHost, None] = {}
         self.kicker: _Kicker | None = None  # installed while run() runs
+        #: reads every connection waiting for its next request (ReadPoller); while run() runs
+        self.poller: ReadPoller | None = None
         self.batch = _Batch(self, opens=True)  # ``with node.batch:`` begin .. end
         self.unbatched = _Batch(self, opens=False)  # a wait inside a batch: end .. begin
         self.nursery: trio.Nursery
@@ -1238,6 +1423,8 @@ class Node:
                     gc.set_threshold(*NODE_GC_THRESHOLDS)
                 async with trio.open_nursery() as nursery:
                     self.nursery = nursery
+                    poller = self.poller = ReadPoller()
+                    nursery.start_soon(poller.run, self)
                     for host in self.hosts:
                         # A shard's tasks stop that shard when they fail, never the node.
                         nursery.start_soon(host.guarded, host.loop)

@@ -52,9 +52,10 @@ class RawSocketIO:
         # most likely fail with EAGAIN (a lone request's connection: every read but none).
         self._drained = False
 
-    def _fd(self) -> int:
-        # Asked each time, never kept: once the stream closes its socket the number may be
-        # given to another connection, and -1 here means closed.
+    def fileno(self) -> int:
+        """The socket's descriptor now; :class:`trio.ClosedResourceError` once it is closed.
+        Ask each time, never keep it: once the stream closes its socket the number may be
+        given to another connection."""
         fd = self._sock.fileno()
         if fd < 0:
             raise trio.ClosedResourceError("the connection is closed")
@@ -71,7 +72,7 @@ class RawSocketIO:
         if self._drained:
             self._drained = False
             self._ready_reads = 0
-            self._fd()  # a stream closed meanwhile raises here, as a read of it would
+            self.fileno()  # a stream closed meanwhile raises here, as a read of it would
             await trio.lowlevel.wait_readable(self._sock)
         else:
             self._ready_reads += 1
@@ -80,13 +81,13 @@ class RawSocketIO:
                 await trio.lowlevel.checkpoint()
         while True:
             try:
-                data = os.read(self._fd(), READ_BYTES)
+                data = os.read(self.fileno(), READ_BYTES)
             except BlockingIOError:
                 self._ready_reads = 0
                 await trio.lowlevel.wait_readable(self._sock)
                 continue
             except OSError as exc:
-                raise _translate(exc) from exc
+                raise translate_socket_error(exc) from exc
             if len(data) < READ_BYTES:
                 self._drained = True
             return data
@@ -95,27 +96,28 @@ class RawSocketIO:
         """Write what fits of ``data`` now, never waiting: the bytes written (0 when the
         socket has no room). Raises as :meth:`send_all` does."""
         try:
-            return os.write(self._fd(), data)
+            return os.write(self.fileno(), data)
         except BlockingIOError:
             return 0
         except OSError as exc:
-            raise _translate(exc) from exc
+            raise translate_socket_error(exc) from exc
 
     async def send_all(self, data: bytes) -> None:
         """Write all of ``data``, waiting for room as needed."""
         view = memoryview(data)
         while view:
             try:
-                sent = os.write(self._fd(), view)
+                sent = os.write(self.fileno(), view)
             except BlockingIOError:
                 await trio.lowlevel.wait_writable(self._sock)
                 continue
             except OSError as exc:
-                raise _translate(exc) from exc
+                raise translate_socket_error(exc) from exc
             view = view[sent:]
 
 
-def _translate(exc: OSError) -> Exception:
+def translate_socket_error(exc: OSError) -> Exception:
+    """The stream error an :class:`OSError` of a socket call stands for (Trio's own rule)."""
     if exc.errno in _CLOSED:
         return trio.ClosedResourceError("the connection is closed")
     return trio.BrokenResourceError(f"the connection broke: {exc}")
