@@ -677,6 +677,16 @@ class ShardHost:
 
 #: What a parked connection's read found when its peer closed its side (end of stream).
 _EOF: Final = object()
+
+
+@dataclass(frozen=True)
+class _SocketFailed:
+    """What a parked connection's read met: its socket's error (a reset, ...), for its task
+    to raise as the stream error it stands for (a bug's exception is handed back bare)."""
+
+    error: OSError
+
+
 #: Most ready connections one pass of the poller takes (the rest: its next pass).
 POLL_EVENTS: Final = 256
 
@@ -705,6 +715,18 @@ class ReadPoller:
         self.reads = 0  # reads of parked connections
         self.handed_back = 0  # connections handed back to their task
 
+    def _pass(self, node: Node) -> None:
+        """Read every ready connection once, in one batch of the node. (Its own function: a
+        local of the waiting coroutine would keep the last connection read, closed or not,
+        alive until the next pass.)"""
+        parked = self.parked
+        with node.batch:
+            for fd, _mask in self.epoll.poll(0, POLL_EVENTS):
+                conn = parked.get(fd)
+                if conn is not None:
+                    self.reads += 1
+                    conn.read_parked(fd)
+
     def park(self, conn: Connection, fd: int) -> None:
         self.epoll.register(fd, select.EPOLLIN)
         self.parked[fd] = conn
@@ -725,13 +747,7 @@ class ReadPoller:
         try:
             while True:
                 await trio.lowlevel.wait_readable(epoll.fileno())
-                ready = epoll.poll(0, POLL_EVENTS)
-                with node.batch:
-                    for fd, _mask in ready:
-                        conn = parked.get(fd)
-                        if conn is not None:
-                            self.reads += 1
-                            conn.read_parked(fd)
+                self._pass(node)
         finally:
             # The node stops: every connection still parked goes back to its task (which is
             # being cancelled too), and the set is closed.
@@ -866,8 +882,8 @@ class Connection:
                 outcome = await self._parked(poller)
                 if outcome is _EOF:
                     return
-                if isinstance(outcome, OSError):
-                    raise translate_socket_error(outcome) from outcome
+                if isinstance(outcome, _SocketFailed):
+                    raise translate_socket_error(outcome.error) from outcome.error
                 if isinstance(outcome, Exception):
                     raise outcome  # (a bug met by the poller in this connection's requests)
             else:
@@ -880,29 +896,35 @@ class Connection:
 
     async def _parked(self, poller: ReadPoller) -> object:
         """Wait in ``poller`` until it hands this connection back: what its read met
-        (:data:`_EOF`, an :class:`OSError`, or the exception of a bug met while working
-        through the requests), or None when requests it read wait in :attr:`held` or the
-        decoder for this task. Cancellable; never left parked."""
+        (:data:`_EOF`, a :class:`_SocketFailed`, or the exception of a bug met while working
+        through the requests), or None when what comes next needs this task: requests it
+        read (in :attr:`held` or the decoder), or a wait for room in the outbox. Cancellable;
+        never left parked."""
         fd = self.io.fileno()  # (a closed stream raises here, as a read of it would)
         self.resumed = resumed = trio.Event()
-        self.park_outcome = None
         poller.park(self, fd)
         try:
             await resumed.wait()
         finally:
             poller.unpark(self)
-        return self.park_outcome
+        outcome, self.park_outcome = self.park_outcome, None
+        return outcome
 
     def read_parked(self, fd: int) -> None:
         """The poller's read of this parked connection (its socket is readable): the requests
         read are worked through here (:meth:`_handle_ready`), in the poller's batch; the task
         is woken only for what needs it. Never raises."""
+        if self.outbox.queued > self.outbox.high_water:
+            # The peer does not read its replies (or a worker its pushes) as fast as they
+            # come: its task reads no more of it until it has (back-pressure, as unparked).
+            self.resume(None)
+            return
         try:
             data = os.read(fd, READ_BYTES)
         except BlockingIOError:
             return  # (another reader took the bytes: nothing to do)
         except OSError as exc:
-            self.resume(exc)
+            self.resume(_SocketFailed(exc))
             return
         if not data:
             self.resume(_EOF)
@@ -968,7 +990,9 @@ class Connection:
         outbox = self.outbox
         handled = 0
         while True:
-            if handled >= YIELD_EVERY or outbox.queued > outbox.high_water:
+            if outbox.queued > outbox.high_water:
+                return False  # (its task waits for room before it reads or takes any more)
+            if handled >= YIELD_EVERY:
                 return not self.decoder.has_event()
             event = self.decoder.next_event()
             if event is None:

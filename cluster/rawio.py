@@ -7,7 +7,9 @@ and ``send_all`` put two schedule points around every call (a pass of Trio's run
 which measured here as about half of a request's round trip on loopback (two processes
 ping-ponging 20 bytes: ~210 us a round trip through the streams, ~115 us with this). The stream
 stays the owner of the socket: it is opened and closed as before, and closing it (from any task)
-wakes a wait here with :class:`trio.ClosedResourceError`, as it would a stream call. Must never
+wakes a wait here with :class:`trio.ClosedResourceError`, as it would a stream call (a
+connection the node's read poller holds waits there instead, and is handed back before its
+socket is closed). Must never
 be used by two tasks for the same direction at once (a connection has one reader and one
 writer), and never holds bytes of its own.
 """

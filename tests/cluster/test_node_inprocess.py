@@ -896,14 +896,18 @@ def test_a_lone_request_for_several_shards_is_left_to_their_writer_threads(
             results = await client.create_many([lone_spec(name) for name in both])
             assert all(r["ok"] for r in results)
         counts.append(here())
-        await client.create(lone_spec(on_0[30]))
+        for name in on_0[30:34]:
+            await client.create(lone_spec(name))
         counts.append(here())
 
     run_lone_client(tmp_path, ask, shards=2)
     lone, after_many, after_one = counts
     assert lone[0] >= 4 and lone[1] == 0
     assert after_many == lone  # nothing of the create_many written on the loop's thread
-    assert after_one == (lone[0] + 1, 0)
+    # Lone creates on one shard again: written on the loop's thread (not every one: a
+    # writer thread still in the hand-off of the group before keeps its write lock a
+    # moment, and write_here leaves the batch to it then).
+    assert after_one[0] > lone[0] and after_one[1] == 0
 
 
 def test_a_group_written_here_is_acknowledged_behind_a_group_still_in_trios_queue(

@@ -4,9 +4,11 @@ every request answered once, in any slicing of the bytes, and a bad peer harming
 
 from __future__ import annotations
 
+import gc
 import random
 import socket
 import struct
+import weakref
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -263,6 +265,78 @@ def test_a_node_stops_cleanly_with_connections_waiting_and_leaves_nothing_parked
     finally:
         for sock in sockets:
             sock.close()
+
+
+@pytest.mark.parametrize("ending", ["eof", "reset"])
+def test_a_closed_connection_is_freed_at_once_not_kept_by_the_poller(
+    tmp_path: Path, ending: str
+) -> None:
+    """(Found by review: the poller's coroutine kept the last connection it read, closed or
+    not, with its buffers, until some other connection sent something.) The collector is
+    off: a closed connection must go by reference counting alone, as without the poller; a
+    reset one (whose error's traceback makes a cycle through its frames, poller or not) by
+    the first collection."""
+    refs: list[weakref.ref[Any]] = []
+    alive: list[bool] = []
+
+    async def body(node: Node, port: int) -> None:
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        await stream.send_all(ping(1))
+        await replies(stream, 1)
+        (conn,) = node.connections
+        refs.append(weakref.ref(conn))
+        del conn
+        assert node.poller is not None
+        while not node.poller.parked:
+            await trio.sleep(0.01)
+        if ending == "reset":
+            stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            stream.socket.close()
+        else:
+            await stream.aclose()
+        while node.connections:
+            await trio.sleep(0.01)
+        await trio.sleep(0.05)
+        if ending == "reset":
+            gc.collect()
+        alive.append(refs[0]() is not None)
+
+    gc.disable()
+    try:
+        run_node(tmp_path, body)
+    finally:
+        gc.enable()
+    assert alive == [False]
+
+
+def test_a_connection_above_its_high_water_mark_is_not_read_while_parked(
+    tmp_path: Path,
+) -> None:
+    """(Found by review: the poller went on reading a parked connection above the mark as
+    long as no whole request came.) Back-pressure as unparked: the node reads no more of a
+    peer whose replies or pushes wait above the mark until it has read them."""
+    held: list[int] = []
+
+    async def body(node: Node, port: int) -> None:
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        async with stream:
+            await stream.send_all(ping(1))
+            await replies(stream, 1)
+            (conn,) = node.connections
+            assert node.poller is not None
+            while not node.poller.parked:
+                await trio.sleep(0.01)
+            # as if pushes to this (worker) connection had piled up above the mark
+            conn.outbox.queued = conn.outbox.high_water + 1
+            size = 3 * 1024 * 1024  # one frame, sent in part: never a whole request
+            with trio.move_on_after(1):
+                await stream.send_all(struct.pack(">I", size) + b"\x00" * (size // 2))
+            await trio.sleep(0.2)
+            held.append(conn.decoder.pending_bytes)
+            conn.outbox.queued = 0
+
+    run_node(tmp_path, body)
+    assert held[0] <= 64 * 1024, held
 
 
 def test_the_frames_used_here_are_the_protocols() -> None:
