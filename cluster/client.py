@@ -30,7 +30,14 @@ from typing import Any
 import trio
 
 from cluster.codec import DEFAULT_MAX_FRAME, FrameDecoder, Message, ProtocolError, encode
-from cluster.rawio import Outbox, RawSocketIO
+from cluster.rawio import (
+    END_OF_STREAM,
+    READ_BYTES,
+    Outbox,
+    RawSocketIO,
+    ReadPoller,
+    SocketFailed,
+)
 from engine.errors import EngineUsageError
 from engine.jobs import new_job_id, validate_job
 from engine.runs import FINAL_VALUES
@@ -38,6 +45,63 @@ from engine.runs import FINAL_VALUES
 DEFAULT_TIMEOUT_S = 30.0
 #: set while the reconnect hook runs: its requests go out before anyone else's
 _handshake: ContextVar[bool] = ContextVar("tickwheel_handshake", default=False)
+
+#: The read poller of the Trio run (:func:`_run_poller`): every client connection of the run
+#: waits for its replies there, one task and one wait for them all.
+_RUN_POLLER: trio.lowlevel.RunVar[ReadPoller | None] = trio.lowlevel.RunVar(
+    "tickwheel_client_poller", default=None
+)
+
+
+def _run_poller() -> ReadPoller:
+    """The run's read poller, started (a system task: it outlives any one client's nursery,
+    and is cancelled with the run) by the first connection that waits for bytes. A reader
+    never raises out of its pass (:meth:`ReadPoller._pass` hands a bug back to its task), so
+    the system task never fails the run."""
+    poller = _RUN_POLLER.get()
+    if poller is None or poller.closed:
+        poller = ReadPoller()
+        _RUN_POLLER.set(poller)
+        trio.lowlevel.spawn_system_task(poller.run, name="tickwheel client read poller")
+    return poller
+
+
+def _hand_back_reader(stream: trio.SocketStream) -> None:
+    """Before ``stream`` is closed by any task but its reader: end its reader's wait in the
+    run's poller (a closed socket leaves the poller's set without a word, and its reader
+    would wait on). Its reader then finds the stream closed."""
+    poller = _RUN_POLLER.get()
+    fd = stream.socket.fileno()
+    if poller is not None and fd >= 0:
+        poller.hand_back(fd, END_OF_STREAM)
+
+
+class _Reading:
+    """One connection's reading side: its decoder, and what the run's poller calls when its
+    socket is readable while its reader task waits there."""
+
+    __slots__ = ("client", "decoder", "poller")
+
+    def __init__(self, client: Client, decoder: FrameDecoder) -> None:
+        self.client = client
+        self.decoder = decoder
+        self.poller: ReadPoller | None = None
+
+    def read_parked(self, fd: int) -> None:
+        poller = self.poller
+        assert poller is not None
+        try:
+            data = os.read(fd, READ_BYTES)
+        except BlockingIOError:
+            return  # (nothing there after all)
+        except OSError as exc:
+            poller.hand_back(fd, SocketFailed(exc))
+            return
+        if not data:
+            poller.hand_back(fd, END_OF_STREAM)
+            return
+        self.decoder.feed(data)
+        self.client._deliver(self.decoder)  # (a push callback's exception: its task's)
 
 
 class ClientError(Exception):
@@ -257,6 +321,7 @@ class Client:
         self._closed = True
         self._gone = self._gone or "client closed"
         if self._stream is not None:
+            _hand_back_reader(self._stream)
             with trio.move_on_after(1) as scope:
                 scope.shield = True
                 await self._stream.aclose()
@@ -287,31 +352,20 @@ class Client:
             self._connected.set()
 
     async def _reader(self, stream: trio.SocketStream, writing: trio.CancelScope) -> None:
-        decoder = FrameDecoder(self.max_frame)
+        reading = _Reading(self, FrameDecoder(self.max_frame))
         io = RawSocketIO(stream)
         try:
-            while True:
-                data = await io.receive_some()
-                if not data:
-                    break
-                decoder.feed(data)
-                while (event := decoder.next_event()) is not None:
-                    if isinstance(event, ProtocolError):
-                        continue  # the node sent something unreadable; skip that frame
-                    if "push" in event:
-                        if self.on_push is not None:
-                            self.on_push(event)
-                        else:
-                            self.pushes_send.send_nowait(event)
-                        continue
-                    waiter = self._waiting.pop(event.get("id", -1), None)
-                    if waiter is None:
-                        continue
-                    if isinstance(waiter, tuple):
-                        waiter[1].append(event)
-                        waiter[0].set()
-                    else:
-                        waiter(event)
+            # Parked in the run's poller, which reads the replies and pushes and hands them
+            # out; back here only at the end, or once the poller stopped (the run ends): this
+            # task then reads itself.
+            poller = reading.poller = _run_poller()
+            outcome = await poller.wait(reading, io.fileno())
+            if isinstance(outcome, Exception):
+                raise outcome  # (a bug in a push callback, met by the poller)
+            if outcome is None:
+                while data := await io.receive_some():
+                    reading.decoder.feed(data)
+                    self._deliver(reading.decoder)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             pass
         # The connection is done with: its writer and its socket go too (a writer parked for
@@ -335,6 +389,27 @@ class Client:
                 self._gone = lost + ("" if self._closed else " (reconnect is off)")
                 self._fail_waiting(ConnectionLost(self._gone))
 
+    def _deliver(self, decoder: FrameDecoder) -> None:
+        """Every whole message read so far to whom it is for: a push to :attr:`on_push` (or
+        :attr:`pushes`), a reply to the request waiting for it. Never waits."""
+        while (event := decoder.next_event()) is not None:
+            if isinstance(event, ProtocolError):
+                continue  # the node sent something unreadable; skip that frame
+            if "push" in event:
+                if self.on_push is not None:
+                    self.on_push(event)
+                else:
+                    self.pushes_send.send_nowait(event)
+                continue
+            waiter = self._waiting.pop(event.get("id", -1), None)
+            if waiter is None:
+                continue
+            if isinstance(waiter, tuple):
+                waiter[1].append(event)
+                waiter[0].set()
+            else:
+                waiter(event)
+
     async def _writer(
         self, stream: trio.SocketStream, outbox: Outbox, writing: trio.CancelScope
     ) -> None:
@@ -346,6 +421,7 @@ class Client:
             with writing:
                 await outbox.run()
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            _hand_back_reader(stream)
             with trio.move_on_after(1) as scope:
                 scope.shield = True
                 await stream.aclose()

@@ -31,7 +31,6 @@ import json
 import logging
 import math
 import os
-import select
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
@@ -55,7 +54,15 @@ from cluster.protocol import (
     parse_request,
     push,
 )
-from cluster.rawio import READ_BYTES, Outbox, RawSocketIO, translate_socket_error
+from cluster.rawio import (
+    END_OF_STREAM,
+    READ_BYTES,
+    Outbox,
+    RawSocketIO,
+    ReadPoller,
+    SocketFailed,
+    translate_socket_error,
+)
 from engine.effects import (
     CancelJob,
     ClockJump,
@@ -675,89 +682,6 @@ class ShardHost:
                 delay = min(delay * 2, 5.0)
 
 
-#: What a parked connection's read found when its peer closed its side (end of stream).
-_EOF: Final = object()
-
-
-@dataclass(frozen=True)
-class _SocketFailed:
-    """What a parked connection's read met: its socket's error (a reset, ...), for its task
-    to raise as the stream error it stands for (a bug's exception is handed back bare)."""
-
-    error: OSError
-
-
-#: Most ready connections one pass of the poller takes (the rest: its next pass).
-POLL_EVENTS: Final = 256
-
-
-class ReadPoller:
-    """One task that reads every connection waiting for its peer's next request.
-
-    A connection's reader task parks here between requests (:meth:`Connection._parked`); its
-    socket joins this poller's own epoll set (level-triggered, so bytes that came before it
-    joined wake it at once). Trio's loop waits on that set's descriptor: one wait, and one
-    re-arming of it, a pass of the loop for all of them, instead of a wait, a re-arming
-    (``epoll_ctl``) and a task's wake-up a request. The poller reads each ready socket once
-    and works its requests through (:meth:`Connection.read_parked`), all in one batch of the
-    node; a connection goes back to its own task only for what needs a wait (back-pressure,
-    no place in flight, many requests in one read) or ends it (end of stream, an error).
-
-    Guarantees: a connection's bytes are read in order by one reader at a time (parked: the
-    poller; else its task); a parked connection is unparked before its task goes on, however
-    the wait ends (cancelled included), so a closed socket never stays in the set. Never
-    raises out of a pass for one connection's trouble: that connection's task gets it.
-    """
-
-    def __init__(self) -> None:
-        self.epoll = select.epoll()
-        self.parked: dict[int, Connection] = {}
-        self.reads = 0  # reads of parked connections
-        self.handed_back = 0  # connections handed back to their task
-
-    def _pass(self, node: Node) -> None:
-        """Read every ready connection once, in one batch of the node. (Its own function: a
-        local of the waiting coroutine would keep the last connection read, closed or not,
-        alive until the next pass.)"""
-        parked = self.parked
-        with node.batch:
-            for fd, _mask in self.epoll.poll(0, POLL_EVENTS):
-                conn = parked.get(fd)
-                if conn is not None:
-                    self.reads += 1
-                    conn.read_parked(fd)
-
-    def park(self, conn: Connection, fd: int) -> None:
-        self.epoll.register(fd, select.EPOLLIN)
-        self.parked[fd] = conn
-        conn.parked_fd = fd
-
-    def unpark(self, conn: Connection) -> None:
-        """Take ``conn`` out of the set (idempotent)."""
-        fd, conn.parked_fd = conn.parked_fd, None
-        if fd is not None and self.parked.get(fd) is conn:
-            del self.parked[fd]
-            try:
-                self.epoll.unregister(fd)
-            except OSError:  # (a socket closed meanwhile has left the set by itself)
-                pass
-
-    async def run(self, node: Node) -> None:
-        epoll, parked = self.epoll, self.parked
-        try:
-            while True:
-                await trio.lowlevel.wait_readable(epoll.fileno())
-                self._pass(node)
-        finally:
-            # The node stops: every connection still parked goes back to its task (which is
-            # being cancelled too), and the set is closed.
-            node.poller = None  # (a connection's task reads its socket itself from now)
-            for conn in list(parked.values()):
-                self.unpark(conn)
-                conn.resume(None)
-            self.epoll.close()
-
-
 # =============================================================================== connections
 
 
@@ -787,12 +711,7 @@ class Connection:
         self.worker: WorkerSession | None = None
         self.closed = False
         self.nursery: trio.Nursery | None = None  # the connection's (its requests' tasks)
-        # While parked in the node's poller (ReadPoller): its fd there, the event that wakes
-        # the reader task, and what the poller hands back with it.
-        self.parked_fd: int | None = None
-        self.resumed: trio.Event | None = None
-        self.park_outcome: object = None
-        self.held: Request | None = None  # parsed by the poller, waiting for a place
+        self.held: Request | None = None  # parsed by the node's poller, waiting for a place
 
     async def serve(self) -> None:
         try:
@@ -876,13 +795,15 @@ class Connection:
         while True:
             await self.outbox.wait_room()  # TCP back-pressure on a peer that does not read
             poller = self.node.poller
-            if poller is not None:
+            if poller is not None and not poller.closed:
                 # Parked until the poller meets something it leaves to this task: the peer's
                 # EOF or a broken socket, or requests that need a wait (see _handle_ready).
-                outcome = await self._parked(poller)
-                if outcome is _EOF:
+                # None: requests it read (in held or the decoder), or a wait for room.
+                fd = self.io.fileno()  # (a closed stream raises here, as a read of it would)
+                outcome = await poller.wait(self, fd)
+                if outcome is END_OF_STREAM:
                     return
-                if isinstance(outcome, _SocketFailed):
+                if isinstance(outcome, SocketFailed):
                     raise translate_socket_error(outcome.error) from outcome.error
                 if isinstance(outcome, Exception):
                     raise outcome  # (a bug met by the poller in this connection's requests)
@@ -894,59 +815,33 @@ class Connection:
             with self.node.batch:
                 await self._handle_events(nursery)
 
-    async def _parked(self, poller: ReadPoller) -> object:
-        """Wait in ``poller`` until it hands this connection back: what its read met
-        (:data:`_EOF`, a :class:`_SocketFailed`, or the exception of a bug met while working
-        through the requests), or None when what comes next needs this task: requests it
-        read (in :attr:`held` or the decoder), or a wait for room in the outbox. Cancellable;
-        never left parked."""
-        fd = self.io.fileno()  # (a closed stream raises here, as a read of it would)
-        self.resumed = resumed = trio.Event()
-        poller.park(self, fd)
-        try:
-            await resumed.wait()
-        finally:
-            poller.unpark(self)
-        outcome, self.park_outcome = self.park_outcome, None
-        return outcome
-
     def read_parked(self, fd: int) -> None:
-        """The poller's read of this parked connection (its socket is readable): the requests
-        read are worked through here (:meth:`_handle_ready`), in the poller's batch; the task
-        is woken only for what needs it. Never raises."""
+        """The node's poller's read of this connection (parked, its socket readable): the
+        requests read are worked through here (:meth:`_handle_ready`), in the poller's batch;
+        the task is handed back only for what needs it. Never raises."""
+        poller = self.node.poller
+        assert poller is not None
         if self.outbox.queued > self.outbox.high_water:
             # The peer does not read its replies (or a worker its pushes) as fast as they
             # come: its task reads no more of it until it has (back-pressure, as unparked).
-            self.resume(None)
+            poller.hand_back(fd, None)
             return
         try:
             data = os.read(fd, READ_BYTES)
         except BlockingIOError:
-            return  # (another reader took the bytes: nothing to do)
+            return  # (nothing there after all)
         except OSError as exc:
-            self.resume(_SocketFailed(exc))
+            poller.hand_back(fd, SocketFailed(exc))
             return
         if not data:
-            self.resume(_EOF)
+            poller.hand_back(fd, END_OF_STREAM)
             return
         try:
             self.decoder.feed(data)
             if not self._handle_ready():
-                self.resume(None)
+                poller.hand_back(fd, None)
         except Exception as exc:  # a bug: its task raises it, and this connection ends
-            self.resume(exc)
-
-    def resume(self, outcome: object) -> None:
-        """Hand this connection back to its task with ``outcome`` (see :meth:`_parked`)."""
-        poller = self.node.poller
-        if poller is not None:
-            poller.unpark(self)
-            poller.handed_back += 1
-        self.park_outcome = outcome
-        resumed = self.resumed
-        if resumed is not None:
-            self.resumed = None
-            resumed.set()
+            poller.hand_back(fd, exc)
 
     async def _handle_events(self, nursery: trio.Nursery) -> None:
         """Every whole request read so far. Runs inside a batch of the node's
@@ -1298,7 +1193,8 @@ class Node:
         # pass of the loop has one, with a zero timeout when tasks are runnable).
         self.kicks: dict[ShardHost, None] = {}
         self.kicker: _Kicker | None = None  # installed while run() runs
-        #: reads every connection waiting for its next request (ReadPoller); while run() runs
+        #: reads every connection waiting for its next request (see Connection), once run()
+        #: runs
         self.poller: ReadPoller | None = None
         self.batch = _Batch(self, opens=True)  # ``with node.batch:`` begin .. end
         self.unbatched = _Batch(self, opens=False)  # a wait inside a batch: end .. begin
@@ -1447,8 +1343,8 @@ class Node:
                     gc.set_threshold(*NODE_GC_THRESHOLDS)
                 async with trio.open_nursery() as nursery:
                     self.nursery = nursery
-                    poller = self.poller = ReadPoller()
-                    nursery.start_soon(poller.run, self)
+                    self.poller = ReadPoller(self.batch)
+                    nursery.start_soon(self.poller.run)
                     for host in self.hosts:
                         # A shard's tasks stop that shard when they fail, never the node.
                         nursery.start_soon(host.guarded, host.loop)

@@ -16,9 +16,13 @@ writer), and never holds bytes of its own.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
-from typing import Final
+import select
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Final, Protocol
 
 import trio
 
@@ -116,6 +120,129 @@ class RawSocketIO:
             except OSError as exc:
                 raise translate_socket_error(exc) from exc
             view = view[sent:]
+
+
+#: Most ready sockets one pass of a :class:`ReadPoller` takes (the rest: its next pass).
+POLL_EVENTS: Final = 256
+
+
+class ParkedReader(Protocol):
+    """A connection's reading side while its task waits in a :class:`ReadPoller`."""
+
+    def read_parked(self, fd: int) -> None:
+        """Read ``fd`` (ready) once and work through what came, never waiting; hand the
+        task back (:meth:`ReadPoller.hand_back`) for anything that needs it."""
+
+
+#: What a parked reader's read found when its peer closed its side: an outcome to hand back.
+END_OF_STREAM: Final = object()
+
+
+@dataclass(frozen=True)
+class SocketFailed:
+    """What a parked reader's read met: its socket's error (a reset, ...), an outcome to hand
+    back for the task to raise as the stream error it stands for
+    (:func:`translate_socket_error`); a bug's exception is handed back bare instead."""
+
+    error: OSError
+
+
+class _Waiter:
+    __slots__ = ("event", "outcome", "reader")
+
+    def __init__(self, reader: ParkedReader) -> None:
+        self.reader = reader
+        self.event = trio.Event()
+        self.outcome: object = None
+
+
+class ReadPoller:
+    """One task that reads every connection whose reader task waits for its next bytes.
+
+    A reader task parks here (:meth:`wait`) between reads; its socket joins this poller's own
+    epoll set (level-triggered: bytes that came before it joined wake it at once). Trio's
+    loop waits on that set's descriptor: one wait, and one re-arming of it, a pass of the loop
+    for all of them, instead of a wait, a re-arming (``epoll_ctl``: Trio's epoll is
+    one-shot) and a task's wake-up a read. The poller reads each ready socket once
+    (:meth:`ParkedReader.read_parked`), all in one ``batch`` when one is given (the node's:
+    what the reads wake is worked through at its end); a reader goes back to its task only
+    through :meth:`hand_back`, with an outcome of its choosing.
+
+    Guarantees: a parked socket is read by the poller alone, in order, until it is handed
+    back; a waiting task leaves the set however its wait ends (cancelled included); a
+    reader's exception is handed back to its task, never raised out of a pass. Not
+    thread-safe. The owner of a socket closes it only once its reader is handed back (or
+    hands it back first, :meth:`hand_back`): a closed descriptor leaves the set without a
+    word, and its task would wait on.
+    """
+
+    def __init__(self, batch: AbstractContextManager[object] | None = None) -> None:
+        self.epoll = select.epoll()
+        self.batch: AbstractContextManager[object] = batch or contextlib.nullcontext()
+        self.parked: dict[int, _Waiter] = {}
+        self.closed = False  # run() ended: wait() hands back at once
+        self.reads = 0  # reads of parked sockets
+        self.handed_back = 0  # waits ended by hand_back
+
+    async def wait(self, reader: ParkedReader, fd: int) -> object:
+        """Park ``reader`` (its socket ``fd``) until it is handed back; the outcome given
+        then (None, at once, once the poller is closed: the task reads itself). Cancellable;
+        never leaves ``fd`` in the set."""
+        if self.closed:
+            return None
+        waiter = _Waiter(reader)
+        self.epoll.register(fd, select.EPOLLIN)
+        self.parked[fd] = waiter
+        try:
+            await waiter.event.wait()
+        finally:
+            if self.parked.get(fd) is waiter:  # (not handed back: cancelled)
+                self._drop(fd)
+        return waiter.outcome
+
+    def hand_back(self, fd: int, outcome: object) -> None:
+        """End the wait of the reader parked on ``fd`` with ``outcome`` (nothing if none is)."""
+        waiter = self.parked.get(fd)
+        if waiter is not None:
+            self._drop(fd)
+            self.handed_back += 1
+            waiter.outcome = outcome
+            waiter.event.set()
+
+    def _drop(self, fd: int) -> None:
+        del self.parked[fd]
+        try:
+            self.epoll.unregister(fd)
+        except (OSError, ValueError):  # (closed meanwhile: it has left the set by itself)
+            pass
+
+    def _pass(self) -> None:
+        """Read every ready socket once. (Its own function: a local of the waiting coroutine
+        would keep the last reader read, closed or not, alive until the next pass.)"""
+        parked = self.parked
+        with self.batch:
+            for fd, _mask in self.epoll.poll(0, POLL_EVENTS):
+                waiter = parked.get(fd)
+                if waiter is None:
+                    continue
+                self.reads += 1
+                try:
+                    waiter.reader.read_parked(fd)
+                except Exception as exc:  # a bug: its task raises it, the others go on
+                    self.hand_back(fd, exc)
+
+    async def run(self) -> None:
+        """Serve the parked readers until cancelled; then hand every one back (None) and
+        close the set."""
+        try:
+            while True:
+                await trio.lowlevel.wait_readable(self.epoll.fileno())
+                self._pass()
+        finally:
+            self.closed = True
+            for fd in list(self.parked):
+                self.hand_back(fd, None)
+            self.epoll.close()
 
 
 def translate_socket_error(exc: OSError) -> Exception:

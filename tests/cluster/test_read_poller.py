@@ -261,7 +261,8 @@ def test_a_node_stops_cleanly_with_connections_waiting_and_leaves_nothing_parked
     try:
         node = run_node(tmp_path, body)
         (poller,) = pollers
-        assert node.poller is None and poller.parked == {} and poller.epoll.closed
+        assert node.poller is poller and poller.closed
+        assert poller.parked == {} and poller.epoll.closed
     finally:
         for sock in sockets:
             sock.close()
