@@ -19,6 +19,7 @@ succeed within the request's time).
 
 from __future__ import annotations
 
+import contextvars
 import math
 import os
 import time
@@ -61,8 +62,8 @@ def _run_poller() -> ReadPoller:
     poller = _RUN_POLLER.get()
     if poller is None or poller.closed:
         poller = ReadPoller()
-        _RUN_POLLER.set(poller)
         trio.lowlevel.spawn_system_task(poller.run, name="tickwheel client read poller")
+        _RUN_POLLER.set(poller)  # (once it runs: a failed spawn leaves no dead poller)
     return poller
 
 
@@ -78,13 +79,17 @@ def _hand_back_reader(stream: trio.SocketStream) -> None:
 
 class _Reading:
     """One connection's reading side: its decoder, and what the run's poller calls when its
-    socket is readable while its reader task waits there."""
+    socket is readable while its reader task waits there. Replies and pushes are handed out
+    in the reader task's context (a copy), as when that task read them itself: the
+    callbacks (``on_push``, ``send_then``'s) and the tasks they start see the context
+    variables of whoever connected, not the poller's."""
 
-    __slots__ = ("client", "decoder", "poller")
+    __slots__ = ("client", "context", "decoder", "poller")
 
     def __init__(self, client: Client, decoder: FrameDecoder) -> None:
         self.client = client
         self.decoder = decoder
+        self.context = contextvars.copy_context()
         self.poller: ReadPoller | None = None
 
     def read_parked(self, fd: int) -> None:
@@ -101,7 +106,8 @@ class _Reading:
             poller.hand_back(fd, END_OF_STREAM)
             return
         self.decoder.feed(data)
-        self.client._deliver(self.decoder)  # (a push callback's exception: its task's)
+        # (a callback's exception goes to the reader task, raised there)
+        self.context.run(self.client._deliver, self.decoder)
 
 
 class ClientError(Exception):
@@ -262,7 +268,7 @@ class Client:
         #: out its whole timeout and raised RequestTimeout)
         self._gone: str | None = None
         self.pushes_send, self.pushes = trio.open_memory_channel[Message](math.inf)
-        #: when set, pushes are handed to it by the reader, in order, instead of :attr:`pushes`
+        #: when set, pushes are handed to it as they are read, in order, instead of :attr:`pushes`
         #: (no channel, no task: a worker's dispatches cost less)
         self.on_push: Callable[[Message], None] | None = None
         #: called (awaited) after every reconnect, before requests flow again: a worker says
@@ -360,8 +366,8 @@ class Client:
             # task then reads itself.
             poller = reading.poller = _run_poller()
             outcome = await poller.wait(reading, io.fileno())
-            if isinstance(outcome, Exception):
-                raise outcome  # (a bug in a push callback, met by the poller)
+            if isinstance(outcome, BaseException):
+                raise outcome  # (a callback's, met by the poller)
             if outcome is None:
                 while data := await io.receive_some():
                     reading.decoder.feed(data)
@@ -541,8 +547,8 @@ class Client:
         self, op: str, args: dict[str, Any], on_answer: Callable[[Any | ClientError], None]
     ) -> bool:
         """Send ``op`` now; ``on_answer`` later gets its result, or the :class:`RemoteError`
-        or :class:`ConnectionLost` in its place (called from the reader, so it must not
-        block). No task waits and nothing is retried: that is the caller's business. False
+        or :class:`ConnectionLost` in its place (called as the reply is read, so it must
+        not block). No task waits and nothing is retried: that is the caller's business. False
         when there is no connection right now (nothing sent, ``on_answer`` never called).
         Raises :class:`ClientError` for a request that cannot be encoded."""
         outbox = self._outbox

@@ -805,7 +805,7 @@ class Connection:
                     return
                 if isinstance(outcome, SocketFailed):
                     raise translate_socket_error(outcome.error) from outcome.error
-                if isinstance(outcome, Exception):
+                if isinstance(outcome, BaseException):
                     raise outcome  # (a bug met by the poller in this connection's requests)
             else:
                 data = await self.io.receive_some()

@@ -170,7 +170,7 @@ class ReadPoller:
 
     Guarantees: a parked socket is read by the poller alone, in order, until it is handed
     back; a waiting task leaves the set however its wait ends (cancelled included); a
-    reader's exception is handed back to its task, never raised out of a pass. Not
+    reader's exception (any) is handed back to its task, never raised out of a pass. Not
     thread-safe. The owner of a socket closes it only once its reader is handed back (or
     hands it back first, :meth:`hand_back`): a closed descriptor leaves the set without a
     word, and its task would wait on.
@@ -190,6 +190,10 @@ class ReadPoller:
         never leaves ``fd`` in the set."""
         if self.closed:
             return None
+        if fd in self.parked:
+            # A socket closed while its reader was parked, its number now another's (the
+            # owner broke the rule above): that reader ends, rather than wait forever.
+            self.hand_back(fd, END_OF_STREAM)
         waiter = _Waiter(reader)
         self.epoll.register(fd, select.EPOLLIN)
         self.parked[fd] = waiter
@@ -228,7 +232,10 @@ class ReadPoller:
                 self.reads += 1
                 try:
                     waiter.reader.read_parked(fd)
-                except Exception as exc:  # a bug: its task raises it, the others go on
+                except BaseException as exc:  # its task raises it; the others go on
+                    # (BaseException: a callback's SystemExit or KeyboardInterrupt too, as if
+                    # its own task had read; out of a system task it would crash the run.
+                    # Synchronous code cannot be cancelled: nothing of Trio's is caught.)
                     self.hand_back(fd, exc)
 
     async def run(self) -> None:

@@ -727,7 +727,7 @@ class WorkerAgent:
             self.waiting.append(ticket)
 
     def _on_push(self, message: dict[str, Any]) -> None:
-        """A push from the node, in the order they came (called by the client's reader)."""
+        """A push from the node, in the order they came (called as the client reads it)."""
         kind = message.get("push")
         opening = self._opening_hello
         if (
