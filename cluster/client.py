@@ -33,11 +33,10 @@ import trio
 from cluster.codec import DEFAULT_MAX_FRAME, FrameDecoder, Message, ProtocolError, encode
 from cluster.rawio import (
     END_OF_STREAM,
-    READ_BYTES,
     Outbox,
     RawSocketIO,
     ReadPoller,
-    SocketFailed,
+    read_ready,
 )
 from engine.errors import EngineUsageError
 from engine.jobs import new_job_id, validate_job
@@ -93,17 +92,9 @@ class _Reading:
         self.poller: ReadPoller | None = None
 
     def read_parked(self, fd: int) -> None:
-        poller = self.poller
-        assert poller is not None
-        try:
-            data = os.read(fd, READ_BYTES)
-        except BlockingIOError:
-            return  # (nothing there after all)
-        except OSError as exc:
-            poller.hand_back(fd, SocketFailed(exc))
-            return
-        if not data:
-            poller.hand_back(fd, END_OF_STREAM)
+        assert self.poller is not None
+        data = read_ready(self.poller, fd)
+        if data is None:
             return
         self.decoder.feed(data)
         # (a callback's exception goes to the reader task, raised there)

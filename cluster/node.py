@@ -56,11 +56,11 @@ from cluster.protocol import (
 )
 from cluster.rawio import (
     END_OF_STREAM,
-    READ_BYTES,
     Outbox,
     RawSocketIO,
     ReadPoller,
     SocketFailed,
+    read_ready,
     translate_socket_error,
 )
 from engine.effects import (
@@ -826,15 +826,8 @@ class Connection:
             # come: its task reads no more of it until it has (back-pressure, as unparked).
             poller.hand_back(fd, None)
             return
-        try:
-            data = os.read(fd, READ_BYTES)
-        except BlockingIOError:
-            return  # (nothing there after all)
-        except OSError as exc:
-            poller.hand_back(fd, SocketFailed(exc))
-            return
-        if not data:
-            poller.hand_back(fd, END_OF_STREAM)
+        data = read_ready(poller, fd)
+        if data is None:
             return
         try:
             self.decoder.feed(data)

@@ -252,6 +252,24 @@ class ReadPoller:
             self.epoll.close()
 
 
+def read_ready(poller: ReadPoller, fd: int) -> bytes | None:
+    """One read of the ready socket ``fd`` of a reader parked in ``poller``: its bytes, or
+    None when there is nothing to work through: nothing there after all, or its end of
+    stream or its error, handed back to its task (:data:`END_OF_STREAM`,
+    :class:`SocketFailed`)."""
+    try:
+        data = os.read(fd, READ_BYTES)
+    except BlockingIOError:
+        return None
+    except OSError as exc:
+        poller.hand_back(fd, SocketFailed(exc))
+        return None
+    if not data:
+        poller.hand_back(fd, END_OF_STREAM)
+        return None
+    return data
+
+
 def translate_socket_error(exc: OSError) -> Exception:
     """The stream error an :class:`OSError` of a socket call stands for (Trio's own rule)."""
     if exc.errno in _CLOSED:

@@ -4,6 +4,7 @@ leaves it however it ends, and a push callback's bug still ends its client."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
@@ -67,6 +68,16 @@ async def _serve_once(
             pass  # (the client under test went away first)
 
 
+async def _requests(stream: trio.SocketStream) -> AsyncIterator[dict[str, Any]]:
+    """The requests a test server reads from ``stream``, until its end."""
+    decoder = FrameDecoder()
+    while data := await stream.receive_some(65536):
+        decoder.feed(data)
+        while (event := decoder.next_event()) is not None:
+            assert isinstance(event, dict)
+            yield event
+
+
 class Boom(Exception):
     pass
 
@@ -84,17 +95,10 @@ def test_a_push_callback_that_raises_ends_its_client_with_that_error(
     seen: list[str] = []
 
     async def push_then_answer(stream: trio.SocketStream) -> None:
-        decoder = FrameDecoder()
-        while True:
-            data = await stream.receive_some(65536)
-            if not data:
-                return
-            decoder.feed(data)
-            while (event := decoder.next_event()) is not None:
-                assert isinstance(event, dict)
-                if event["op"] == "go":
-                    await stream.send_all(encode({"push": "boom"}))
-                await stream.send_all(encode({"id": event["id"], "ok": True, "result": {}}))
+        async for request in _requests(stream):
+            if request["op"] == "go":
+                await stream.send_all(encode({"push": "boom"}))
+            await stream.send_all(encode({"id": request["id"], "ok": True, "result": {}}))
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
@@ -126,14 +130,8 @@ def test_a_push_callback_that_raises_ends_its_client_with_that_error(
 
 def test_a_connection_the_peer_closes_leaves_the_poller_and_fails_its_requests() -> None:
     async def close_at_once(stream: trio.SocketStream) -> None:
-        decoder = FrameDecoder()
-        while True:
-            data = await stream.receive_some(65536)
-            if not data:
-                return
-            decoder.feed(data)
-            if decoder.next_event() is not None:
-                return  # closes without an answer
+        async for _request in _requests(stream):
+            return  # closes without an answer
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:

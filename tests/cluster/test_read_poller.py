@@ -9,7 +9,6 @@ import random
 import socket
 import struct
 import weakref
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,25 +19,11 @@ import trio
 import cluster.node
 from cluster.codec import FrameDecoder, encode
 from cluster.node import Node
+from tests.cluster.test_node_robustness import with_node
 
 pytestmark = pytest.mark.timeout(60)
 
 AT = "2099-01-01T00:00:00Z"  # nothing fires while the tests run
-
-
-def run_node(tmp_path: Path, body: Callable[[Node, int], Awaitable[None]]) -> Node:
-    """``body(node, port)`` against a node in this Trio run; the node, stopped, afterwards."""
-    node = Node(tmp_path / "data", shards=2)
-
-    async def main() -> None:
-        with trio.fail_after(50):
-            async with trio.open_nursery() as nursery:
-                port = await nursery.start(node.run)
-                await body(node, port)
-                nursery.cancel_scope.cancel()
-
-    trio.run(main)
-    return node
 
 
 def create(request_id: int, job_id: str) -> bytes:
@@ -87,7 +72,7 @@ def test_requests_of_waiting_connections_are_read_by_the_poller(tmp_path: Path) 
         # (a connection goes back to its task at its end of stream only)
         assert poller.handed_back <= 8
 
-    run_node(tmp_path, body)
+    with_node(tmp_path, body)
 
 
 def test_a_read_of_many_requests_goes_back_to_its_task_and_all_are_answered(
@@ -111,7 +96,7 @@ def test_a_read_of_many_requests_goes_back_to_its_task_and_all_are_answered(
             assert all(r["ok"] for r in got)
             assert poller.handed_back > handed_back
 
-    run_node(tmp_path, body)
+    with_node(tmp_path, body)
 
 
 def test_a_request_with_no_place_in_flight_waits_for_one(
@@ -131,7 +116,7 @@ def test_a_request_with_no_place_in_flight_waits_for_one(
             assert sorted(r["id"] for r in got) == list(range(1, 21))
             assert all(r["ok"] for r in got), got
 
-    run_node(tmp_path, body)
+    with_node(tmp_path, body)
 
 
 def test_any_slicing_of_many_connections_bytes_answers_every_request_once(
@@ -179,7 +164,7 @@ def test_any_slicing_of_many_connections_bytes_answers_every_request_once(
                 for c in range(6):
                     nursery.start_soon(client, seed * 10 + c, random.Random(seed * 100 + c))
 
-    run_node(tmp_path, body)
+    with_node(tmp_path, body)
 
 
 def test_a_peer_that_resets_while_waiting_harms_no_other(tmp_path: Path) -> None:
@@ -204,7 +189,7 @@ def test_a_peer_that_resets_while_waiting_harms_no_other(tmp_path: Path) -> None
                 (reply,) = await replies(good, 1)
                 assert reply["ok"] is True and reply["id"] == n
 
-    run_node(tmp_path, body)
+    with_node(tmp_path, body)
 
 
 def test_a_peer_that_half_closes_gets_the_replies_to_what_it_sent(tmp_path: Path) -> None:
@@ -219,7 +204,7 @@ def test_a_peer_that_half_closes_gets_the_replies_to_what_it_sent(tmp_path: Path
             assert sorted(r["id"] for r in got) == list(range(1, 11))
             assert await stream.receive_some(1024) == b""  # then the node closes its side
 
-    run_node(tmp_path, body)
+    with_node(tmp_path, body)
 
 
 def test_a_frame_that_is_not_msgpack_gets_a_typed_error_from_the_poller(tmp_path: Path) -> None:
@@ -234,7 +219,7 @@ def test_a_frame_that_is_not_msgpack_gets_a_typed_error_from_the_poller(tmp_path
             assert first["ok"] is False and first["error"]["code"] == "malformed"
             assert second == {"id": 7, "ok": True, "result": second["result"]}
 
-    run_node(tmp_path, body)
+    with_node(tmp_path, body)
 
 
 def test_a_node_stops_cleanly_with_connections_waiting_and_leaves_nothing_parked(
@@ -259,7 +244,7 @@ def test_a_node_stops_cleanly_with_connections_waiting_and_leaves_nothing_parked
         pollers.append(node.poller)
 
     try:
-        node = run_node(tmp_path, body)
+        node = with_node(tmp_path, body)
         (poller,) = pollers
         assert node.poller is poller and poller.closed
         assert poller.parked == {} and poller.epoll.closed
@@ -304,7 +289,7 @@ def test_a_closed_connection_is_freed_at_once_not_kept_by_the_poller(
 
     gc.disable()
     try:
-        run_node(tmp_path, body)
+        with_node(tmp_path, body)
     finally:
         gc.enable()
     assert alive == [False]
@@ -336,7 +321,7 @@ def test_a_connection_above_its_high_water_mark_is_not_read_while_parked(
             held.append(conn.decoder.pending_bytes)
             conn.outbox.queued = 0
 
-    run_node(tmp_path, body)
+    with_node(tmp_path, body)
     assert held[0] <= 64 * 1024, held
 
 
