@@ -62,7 +62,7 @@ def _run_poller() -> ReadPoller:
     if poller is None or poller.closed:
         poller = ReadPoller()
         trio.lowlevel.spawn_system_task(poller.run, name="tickwheel client read poller")
-        _RUN_POLLER.set(poller)  # (once it runs: a failed spawn leaves no dead poller)
+        _RUN_POLLER.set(poller)  # (once spawned: a failed spawn leaves no dead poller)
     return poller
 
 
@@ -260,7 +260,9 @@ class Client:
         self._gone: str | None = None
         self.pushes_send, self.pushes = trio.open_memory_channel[Message](math.inf)
         #: when set, pushes are handed to it as they are read, in order, instead of :attr:`pushes`
-        #: (no channel, no task: a worker's dispatches cost less)
+        #: (no channel, no task: a worker's dispatches cost less). Called by the run's read
+        #: poller (a system task), in the connecting task's context: it must not block, and a
+        #: Ctrl-C waits until it returns; what it raises ends this client.
         self.on_push: Callable[[Message], None] | None = None
         #: called (awaited) after every reconnect, before requests flow again: a worker says
         #: hello again here
@@ -518,7 +520,7 @@ class Client:
         if outbox is None or not self._connected.is_set():
             return None
         _request_id, frame = self._frame(op, args)
-        outbox.put(frame)  # its reply is dropped by the reader: no one waits for that id
+        outbox.put(frame)  # its reply is dropped when read: no one waits for that id
         return frame
 
     def withdraw(self, frame: bytes) -> bool:

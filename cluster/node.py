@@ -821,6 +821,12 @@ class Connection:
         the task is handed back only for what needs it. Never raises."""
         poller = self.node.poller
         assert poller is not None
+        scope = self.scope
+        if self.closed or (scope is not None and scope.cancel_called):
+            # Closed by the node (its outbox over the hard cap) or ending (a failed writer):
+            # its task, cancelled, leaves; nothing more of it is read or started.
+            poller.hand_back(fd, None)
+            return
         if self.outbox.queued > self.outbox.high_water:
             # The peer does not read its replies (or a worker its pushes) as fast as they
             # come: its task reads no more of it until it has (back-pressure, as unparked).
@@ -842,39 +848,32 @@ class Connection:
         a batch must never span a wait, or the replies other tasks make meanwhile would wait
         for it."""
         node = self.node
-        outbox = self.outbox
-        held, self.held = self.held, None
-        if held is not None:  # (the poller's, which found no place for it in flight)
-            await self._admit()
-            self._start(held, nursery)
-        handled = 0
-        while (event := self.decoder.next_event()) is not None:
-            handled += 1
-            if handled % YIELD_EVERY == 0:
+        while True:
+            held, self.held = self.held, None
+            if held is not None:  # no place in flight for it (first: it was read first)
+                await self._admit()
+                self._start(held, nursery)
+            if self._handle_ready():
+                return
+            if self.held is not None:
+                continue
+            if self.outbox.queued > self.outbox.high_water:
+                # The peer does not read its replies as fast as it asks: take no more of its
+                # requests (those read already wait here) until it has read enough.
+                with node.unbatched:
+                    await self.outbox.wait_room()
+            else:
                 # A read may hold thousands of requests: let the shards' loops (fires,
                 # acknowledgements) and the other connections in between.
                 with node.unbatched:
                     await trio.lowlevel.checkpoint()
-            if outbox.queued > outbox.high_water:
-                # The peer does not read its replies as fast as it asks: take no more of its
-                # requests (those read already wait here) until it has read enough.
-                with node.unbatched:
-                    await outbox.wait_room()
-            request = self._parse(event)
-            if request is None:
-                continue
-            if request.op in _QUICK_OPS:
-                self._answer_now(request)
-                continue
-            await self._admit()
-            self._start(request, nursery)
 
     def _handle_ready(self) -> bool:
-        """:meth:`_handle_events` in the poller, which must never wait: the requests read so
-        far, until one would need a wait (its connection's replies above the high-water mark,
-        no place in flight, :data:`YIELD_EVERY` requests taken). False when some are left for
-        the connection's task, in :attr:`held` (parsed, waiting for a place) or the
-        decoder."""
+        """The requests read so far, taken without waiting (by the read poller; by
+        :meth:`_handle_events` between its waits), until one would need a wait: its
+        connection's replies above the high-water mark, no place in flight,
+        :data:`YIELD_EVERY` requests taken. True when all were taken; False when what is left
+        needs a wait first, in :attr:`held` (parsed, waiting for a place) or the decoder."""
         outbox = self.outbox
         handled = 0
         while True:
@@ -2004,7 +2003,8 @@ class Node:
         return {}
 
 
-# Ops answered inline by the connection's reader (they never wait).
+# Ops answered inline as they are read (by the read poller or the connection's task: they never
+# wait).
 _QUICK_OPS: dict[str, Callable[[Node, Connection, dict[str, Any]], Any]] = {
     "ping": Node._ping,
     "worker.heartbeat": Node._heartbeat,
@@ -2015,7 +2015,7 @@ _QUICK_OPS: dict[str, Callable[[Node, Connection, dict[str, Any]], Any]] = {
 
 DurableAnswer = Callable[[Exception | None], None]
 
-# A worker's final reports: taken inline by the reader like the quick ops, but answered only
+# A worker's final reports: taken inline as they are read, like the quick ops, but answered only
 # once durable (:meth:`Node._when_durable`).
 _REPORT_OPS: dict[str, Callable[[Node, Connection, dict[str, Any], DurableAnswer], None]] = {
     "worker.finished": Node._finished,

@@ -1,17 +1,18 @@
 """Reads and writes on a connected Trio socket with one system call each, and a wait only when
 the socket is not ready.
 
-Owns the byte moving of the node's and the client's connections, and their outboxes
-(:class:`Outbox`: the frames queued for one connection and the writer that sends them). ``SocketStream.receive_some``
+Owns the byte moving of the node's and the client's connections: their outboxes
+(:class:`Outbox`: the frames queued for one connection and the writer that sends them), and
+the read poller where their readers wait for bytes (:class:`ReadPoller`, :func:`read_ready`:
+one wait of Trio's loop for every waiting connection, not one each). ``SocketStream.receive_some``
 and ``send_all`` put two schedule points around every call (a pass of Trio's run loop each),
 which measured here as about half of a request's round trip on loopback (two processes
 ping-ponging 20 bytes: ~210 us a round trip through the streams, ~115 us with this). The stream
 stays the owner of the socket: it is opened and closed as before, and closing it (from any task)
-wakes a wait here with :class:`trio.ClosedResourceError`, as it would a stream call (a
-connection the node's read poller holds waits there instead, and is handed back before its
-socket is closed). Must never
-be used by two tasks for the same direction at once (a connection has one reader and one
-writer), and never holds bytes of its own.
+wakes a wait here with :class:`trio.ClosedResourceError`, as it would a stream call (a reader
+parked in a read poller waits there instead, and is handed back before its socket is
+closed). Must never be used by two tasks for the same direction at once (a connection has one
+reader and one writer), and never holds bytes of its own.
 """
 
 from __future__ import annotations

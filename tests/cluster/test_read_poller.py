@@ -8,6 +8,7 @@ import gc
 import random
 import socket
 import struct
+import time
 import weakref
 from pathlib import Path
 from typing import Any
@@ -323,6 +324,56 @@ def test_a_connection_above_its_high_water_mark_is_not_read_while_parked(
 
     with_node(tmp_path, body)
     assert held[0] <= 64 * 1024, held
+
+
+def test_a_connection_the_node_closed_is_not_read_by_the_poller_any_more(
+    tmp_path: Path,
+) -> None:
+    """(Found by review: a connection closed by the node, its outbox over the hard cap, was
+    still read by the poller until its cancelled task ran, in either order within a pass of
+    Trio's loop, and the creates it read were made, their replies dropped.) Its requests
+    already in the socket are neither read nor started."""
+    started_after_close: list[int] = []
+
+    async def body(node: Node, port: int) -> None:
+        for trial in range(10):
+
+            def connect() -> socket.socket:
+                sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+                sock.sendall(ping(0))
+                assert sock.recv(65536)
+                return sock
+
+            sock = await trio.to_thread.run_sync(connect)
+            assert node.poller is not None
+            while not node.poller.parked:
+                await trio.sleep(0.005)
+            (conn,) = node.connections
+            made = conn._create_now
+            late = [0]
+
+            def create_now(
+                request: Any, conn: Any = conn, made: Any = made, late: list[int] = late
+            ) -> None:
+                if conn.closed:
+                    late[0] += 1
+                made(request)
+
+            conn._create_now = create_now  # type: ignore[method-assign]
+            # Requests in the socket, then the node closes the connection before its loop's
+            # next pass: whichever of the poller and the cancelled task runs first. (The
+            # loop is held on purpose, so that the bytes arrive while it does not run.)
+            sock.sendall(b"".join(create(n, f"late-{trial}-{n}") for n in range(1, 11)))
+            time.sleep(0.02)
+            conn._overflow(conn.hard_cap + 1)
+            await trio.sleep(0.05)
+            started_after_close.append(late[0])
+            sock.close()
+            while node.connections:
+                await trio.sleep(0.005)
+
+    with_node(tmp_path, body)
+    assert started_after_close == [0] * 10
 
 
 def test_the_frames_used_here_are_the_protocols() -> None:

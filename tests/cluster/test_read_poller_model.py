@@ -5,7 +5,6 @@ the model says are parked; a stopped poller hands every one back."""
 
 from __future__ import annotations
 
-import os
 import socket
 from typing import Any
 
@@ -14,7 +13,7 @@ import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster.rawio import END_OF_STREAM, ReadPoller, SocketFailed
+from cluster.rawio import END_OF_STREAM, ReadPoller, read_ready
 
 SOCKETS = 3
 
@@ -40,17 +39,9 @@ class Reader:
         if self.explode:
             self.explode = False
             raise RuntimeError("a bug in read_parked")
-        try:
-            data = os.read(fd, 65536)
-        except BlockingIOError:
-            return
-        except OSError as exc:
-            self.poller.hand_back(fd, SocketFailed(exc))
-            return
-        if not data:
-            self.poller.hand_back(fd, END_OF_STREAM)
-            return
-        self.got += data
+        data = read_ready(self.poller, fd)
+        if data is not None:
+            self.got += data
 
 
 @settings(max_examples=60, deadline=None)
