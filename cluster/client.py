@@ -85,14 +85,13 @@ class _Reading:
 
     __slots__ = ("client", "context", "decoder", "poller")
 
-    def __init__(self, client: Client, decoder: FrameDecoder) -> None:
+    def __init__(self, client: Client, decoder: FrameDecoder, poller: ReadPoller) -> None:
         self.client = client
         self.decoder = decoder
+        self.poller = poller
         self.context = contextvars.copy_context()
-        self.poller: ReadPoller | None = None
 
     def read_parked(self, fd: int) -> None:
-        assert self.poller is not None
         data = read_ready(self.poller, fd)
         if data is None:
             return
@@ -351,13 +350,13 @@ class Client:
             self._connected.set()
 
     async def _reader(self, stream: trio.SocketStream, writing: trio.CancelScope) -> None:
-        reading = _Reading(self, FrameDecoder(self.max_frame))
         io = RawSocketIO(stream)
+        poller = _run_poller()
+        reading = _Reading(self, FrameDecoder(self.max_frame), poller)
         try:
             # Parked in the run's poller, which reads the replies and pushes and hands them
             # out; back here only at the end, or once the poller stopped (the run ends): this
             # task then reads itself.
-            poller = reading.poller = _run_poller()
             outcome = await poller.wait(reading, io.fileno())
             if isinstance(outcome, BaseException):
                 raise outcome  # (a callback's, met by the poller)

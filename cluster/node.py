@@ -718,7 +718,8 @@ class Connection:
             async with trio.open_nursery() as nursery:
                 self.scope = nursery.cancel_scope
                 nursery.start_soon(self.outbox.run)
-                await self._reader(nursery)
+                self.nursery = nursery
+                await self._reader()
                 # The peer sends no more (EOF: it closed, or half-closed its side): the requests
                 # it sent are still answered, for a bounded time, before the connection closes.
                 with trio.move_on_after(HALF_CLOSE_GRACE_S):
@@ -790,8 +791,7 @@ class Connection:
         if not self.closed:
             self.outbox.write_now()
 
-    async def _reader(self, nursery: trio.Nursery) -> None:
-        self.nursery = nursery
+    async def _reader(self) -> None:
         while True:
             await self.outbox.wait_room()  # TCP back-pressure on a peer that does not read
             poller = self.node.poller
@@ -813,7 +813,7 @@ class Connection:
                     return
                 self.decoder.feed(data)
             with self.node.batch:
-                await self._handle_events(nursery)
+                await self._handle_events()
 
     def read_parked(self, fd: int) -> None:
         """The node's poller's read of this connection (parked, its socket readable): the
@@ -842,7 +842,7 @@ class Connection:
         except Exception as exc:  # a bug: its task raises it, and this connection ends
             poller.hand_back(fd, exc)
 
-    async def _handle_events(self, nursery: trio.Nursery) -> None:
+    async def _handle_events(self) -> None:
         """Every whole request read so far. Runs inside a batch of the node's
         (:attr:`Node.batch`), which it leaves around each of its waits (:attr:`Node.unbatched`):
         a batch must never span a wait, or the replies other tasks make meanwhile would wait
@@ -852,7 +852,7 @@ class Connection:
             held, self.held = self.held, None
             if held is not None:  # no place in flight for it (first: it was read first)
                 await self._admit()
-                self._start(held, nursery)
+                self._start(held)
             if self._handle_ready():
                 return
             if self.held is not None:
@@ -895,8 +895,7 @@ class Connection:
                 self.held = request
                 return False
             self._take_place()
-            assert self.nursery is not None  # (set before the reader parks)
-            self._start(request, self.nursery)
+            self._start(request)
 
     def _parse(self, event: Message | ProtocolError) -> Request | None:
         """The request of ``event``; None, the peer told its typed error, for one that is
@@ -912,7 +911,7 @@ class Connection:
             self.send(error(exc.request_id, exc.code, exc.message))
         return None
 
-    def _start(self, request: Request, nursery: trio.Nursery) -> None:
+    def _start(self, request: Request) -> None:
         """Work through a request given its place in flight (never waits)."""
         if request.op in _REPORT_OPS:
             # Answered by callback once the reports are durable: no task each.
@@ -922,7 +921,8 @@ class Connection:
             # that thousands in flight cost no task each.
             self._create_now(request)
         else:
-            nursery.start_soon(self._handle, request)
+            assert self.nursery is not None  # (set before the reader runs)
+            self.nursery.start_soon(self._handle, request)
 
     async def _admit(self) -> None:
         """A place among the requests in flight; waits only when there is none. (An

@@ -21,7 +21,6 @@ import contextlib
 import errno
 import os
 import select
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Final, Protocol
 
@@ -177,9 +176,9 @@ class ReadPoller:
     word, and its task would wait on.
     """
 
-    def __init__(self, batch: AbstractContextManager[object] | None = None) -> None:
+    def __init__(self, batch: contextlib.AbstractContextManager[object] | None = None) -> None:
         self.epoll = select.epoll()
-        self.batch: AbstractContextManager[object] = batch or contextlib.nullcontext()
+        self.batch: contextlib.AbstractContextManager[object] = batch or contextlib.nullcontext()
         self.parked: dict[int, _Waiter] = {}
         self.closed = False  # run() ended: wait() hands back at once
         self.reads = 0  # reads of parked sockets
