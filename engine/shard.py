@@ -1995,7 +1995,30 @@ class ShardEngine:
         if run.stopping:
             # Timed out while its worker was away: ask again, wait for the confirmation.
             self._out.append(Kill(run.worker, self._run_id(run), run.token, "timed out"))
+        elif self._stop_lapsed(run):
+            # At-most-once, past its deadline already: the node was down when it lapsed, and
+            # a stop asked before the crash is not recorded. Asked now, not by a timer at the
+            # next call: the worker's report of that kill may follow this hello in the same
+            # call, and must find the stop asked for (the timeout and its handler, retries
+            # included), not a plain "killed" failure. (Only the stop: nothing is decided
+            # yet, so a success reported in the same call still counts.)
+            self._node_timeout(run)
+            return
         self._arm_timeout(run)
+
+    def _stop_lapsed(self, run: _Run) -> bool:
+        """Whether ``run``'s node-side timeout, the grace included, is past, and is one that
+        asks its worker to stop the task (at-most-once, not "mark")."""
+        policy = run.policy
+        timeout = policy.timeout_ms
+        if (
+            timeout is None
+            or run.clock_from is None
+            or policy.delivery != "at_most_once"
+            or policy.on_timeout == "mark"
+        ):
+            return False
+        return run.clock_from + timeout + self.config.timeout_grace_ms <= self._wall
 
     def _pull(self, cmd: Pull) -> None:
         worker = self._workers.get(cmd.worker_id)
