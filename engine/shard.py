@@ -149,8 +149,11 @@ class EngineConfig:
     worker_lease_ms: int = 10_000
     #: after a restart, or after an at-most-once run's worker lease lapsed (>= worker lease)
     reattach_grace_ms: int = 20_000
-    #: the node's timeout is start + timeout + this, so the worker's own timeout acts first
-    timeout_grace_ms: int = 5_000
+    #: the node's timeout is start + timeout + this, so the worker's own timeout acts first:
+    #: the worker's stop sequence (SIGTERM, its 5 s kill grace, SIGKILL) plus a margin for
+    #: the report's trip. (It was 5 s, the kill grace itself: a task that ignored SIGTERM was
+    #: recorded TIMED_OUT by the node a moment before the worker's report, without its exit.)
+    timeout_grace_ms: int = 10_000
     #: a fire more than this late counts as missed: the catch-up policy applies
     misfire_ms: int = 60_000
     #: runs waiting per tier before firing pauses for that tier
@@ -365,6 +368,9 @@ class _Run:
     #: its chain depth: 0 for a scheduled run, one more than its source's for a triggered
     #: one (see :attr:`EngineConfig.max_chain_depth`); recorded ("dp") when not 0
     depth: int = 0
+    #: TIMED_OUT under on_timeout=mark while its worker runs the task on: recorded ("mk") in
+    #: that final record, so that a restart still lets the task run (see _marked)
+    marked: bool = False
 
     @property
     def ref(self) -> RunRef:
@@ -448,8 +454,15 @@ class ShardEngine:
         self._trigger_at: dict[int, int] = {}  # the last time given to a triggered run, per job
         self._workers: dict[str, _Worker] = {}
         # on_timeout=mark: runs recorded TIMED_OUT whose task runs on, run id -> (token,
-        # worker), so that the worker's heartbeat is not told to stop it. Until its report.
+        # worker), so that the worker's heartbeat is not told to stop it. Until its report,
+        # or its worker's lease lapsing. Recorded ("mk" in the final record; the report's
+        # note ends it), so a restart keeps it: while recovering, by run (key, at), turned
+        # into run ids once the jobs are known (_after_recovery).
         self._marked: dict[str, tuple[int, str]] = {}
+        self._marks_recovered: dict[RunRef, tuple[int, str]] = {}
+        # After a restart: when the recovered marks of workers that never said hello again
+        # are dropped (a mark lives while its worker's lease does; such a worker has none).
+        self._marks_expire_mono: int | None = None
         self._ready: dict[str, deque[RunRef]] = {}
         # PENDING runs in memory per tier (ready, waiting for durability, a retry or a buffer):
         # what backpressure bounds.
@@ -529,6 +542,19 @@ class ShardEngine:
         return engine, engine._finish()
 
     def _after_recovery(self) -> None:
+        if self._marks_recovered:
+            for (key, at), mark in sorted(self._marks_recovered.items()):
+                try:
+                    job_id, _task = self._ticket_fields(key, self._ver[key])
+                except EngineStateError:
+                    continue  # (no spec to name the run by: its task is stopped, as before)
+                self._marked[run_id(str(job_id), at)] = mark
+            self._marks_recovered = {}
+            # No worker is known yet: a mark lives while its worker's lease does, and a worker
+            # that does not say hello again by then has none.
+            self._marks_expire_mono = (
+                self._mono + self.config.reattach_grace_ms + self.config.worker_lease_ms
+            )
         for run in self._runs.values():
             if run.state is RunState.PENDING:
                 self._count_pending(run, +1)
@@ -684,6 +710,10 @@ class ShardEngine:
         few cached ``next_due`` reads: a wheel is advanced only when something in it is due.
         """
         mono, wall = self._mono, self._wall
+        if self._marks_expire_mono is not None and mono >= self._marks_expire_mono:
+            self._marks_expire_mono = None
+            for rid in [rid for rid, (_t, w) in self._marked.items() if w not in self._workers]:
+                del self._marked[rid]
         timers = self._worker_timers
         nd = timers.next_due()
         if nd is not None and nd <= mono:
@@ -1072,6 +1102,13 @@ class ShardEngine:
                 self._replay_epoch = max(self._replay_epoch, r["epoch"])
         elif kind == "skip" and r.get("src") is not None:
             self._remember_source(r["src"], (r["key"], r["lo"]))
+        elif kind == "note" and recovering and r.get("what") != "started":
+            # A report of a run already final: a marked task's end ends its mark (as live,
+            # see _matching).
+            ref = (r["key"], r["at"])
+            mark = self._marks_recovered.get(ref)
+            if mark is not None and mark[0] == r.get("tok"):
+                del self._marks_recovered[ref]
         # Otherwise "skip" and "note" are history only: nothing in memory depends on them.
 
     def _apply_job(self, r: Record, recovering: bool) -> None:
@@ -1208,6 +1245,8 @@ class ShardEngine:
             if not recovering:
                 return  # the live path releases the run itself (timers, queues)
             del self._runs[ref]
+            if r.get("mk") and r["w"] is not None:
+                self._marks_recovered[ref] = (r["tok"], r["w"])
         else:
             self._add_time(key, at)
             if r.get("buf"):
@@ -1240,6 +1279,8 @@ class ShardEngine:
             record["cx"] = True
         if run.depth:
             record["dp"] = run.depth
+        if run.marked:
+            record["mk"] = True
         if run.clock_from is not None and run.state._value_ in IN_FLIGHT_VALUES:
             record["st"] = run.clock_from
         if run.pinned is not None:
@@ -2344,8 +2385,11 @@ class ShardEngine:
             self._retry_later(run, RunEvent.TIME_OUT, run.timeouts, "timed out")
             return
         worker = run.worker
+        marked = handler == "mark" and worker is not None and not confirmed
+        run.marked = marked
         self._finalize(run, RunEvent.TIME_OUT, why="timed out")
-        if handler == "mark" and worker is not None and not confirmed:
+        if marked:
+            assert worker is not None
             self._marked[self._run_id(run)] = (run.token, worker)
         if handler == "trigger" and policy.on_timeout_target is not None:
             self._send_trigger(policy.on_timeout_target, run)
@@ -2447,8 +2491,20 @@ class ShardEngine:
                 # [source run id, target job key, time]: the same triple as before the target
                 # became part of the key, so snapshots of either form load in both.
                 "sources": [[src, key, at] for (key, src), at in self._sources.items()],
+                # [job key, time, token, worker] of marked runs (_marked), in run order
+                "marked": self._marks_for_snapshot(),
             },
         )
+
+    def _marks_for_snapshot(self) -> list[list[Any]]:
+        out: list[list[Any]] = []
+        for rid, (token, worker_id) in self._marked.items():
+            job_id, at = parse_run_id(rid)
+            key = self._key_of(job_id)
+            if key is not None:
+                out.append([key, at, token, worker_id])
+        out.sort()
+        return out
 
     def _load_snapshot(self, snap: Snapshot) -> None:
         meta, arrays = snap.meta, snap.arrays
@@ -2497,13 +2553,16 @@ class ShardEngine:
         self._dependents = {up: set(downs) for up, downs in meta["dependents"].items()}
         for src, key, at in meta["sources"]:
             self._sources[(key, src)] = at
+        for key, at, token, worker_id in meta.get("marked", ()):  # (absent from older ones)
+            self._marks_recovered[(key, at)] = (token, worker_id)
 
     # =============================================================== inspection (tests, sim)
 
     def marked_running(self, rid: str) -> bool:
         """Whether run ``rid`` is final TIMED_OUT under ``on_timeout=mark`` while its task
-        still runs on its worker (as far as this engine knows: until the task's report, the
-        worker's lease lapses, or this engine restarts; the mark is not recorded)."""
+        still runs on its worker (as far as this engine knows: until the task's report or the
+        worker's lease lapsing; the mark is recorded, so a restart keeps it while the worker
+        says hello again within the reattach grace and its lease)."""
         return rid in self._marked
 
     def paused(self, job_id: str) -> bool:

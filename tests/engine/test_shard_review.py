@@ -594,6 +594,65 @@ def test_a_success_reported_with_the_hello_after_a_lapsed_timeout_counts() -> No
     assert node.final_states() == ["SUCCESS"]
 
 
+def marked_run(node: Node, job_id: str) -> tuple[str, int]:
+    """A run of ``job_id`` TIMED_OUT under on_timeout=mark, its task running on with w1."""
+    node.do(WorkerHello("w1", ("default",), 4, instance="i1"))
+    once(node, job_id, timeout="2s", on_timeout="mark")
+    node.advance(1000)
+    (t,) = node.tickets()
+    node.do(ReportStarted("w1", t.run_id, t.token))
+    for _ in range(4):
+        node.advance(1000)
+        node.do(Heartbeat("w1", ((t.run_id, t.token),)))
+    node.flush()
+    assert node.final_states() == ["TIMED_OUT"] and node.engine.marked_running(t.run_id)
+    return t.run_id, t.token
+
+
+@pytest.mark.parametrize("via_snapshot", [False, True])
+def test_a_marked_task_runs_on_across_a_restart(via_snapshot: bool) -> None:
+    """Found by review: the mark lived in memory only, so after a restart the worker's hello
+    announcing the task got a "superseded" kill, and every restart killed every task that
+    on_timeout=mark had let run on. It is recorded now, and ends with the task's report."""
+    node = Node(config=cfg(worker_lease_ms=10_000, reattach_grace_ms=20_000))
+    rid, token = marked_run(node, "m")
+    if via_snapshot:
+        node.take_snapshot()
+    node.crash_and_recover(downtime_ms=100, via_snapshot=via_snapshot)
+    assert node.engine.marked_running(rid)
+    node.do(WorkerHello("w1", ("default",), 4, ((rid, token),), instance="i1"))
+    for _ in range(3):
+        node.advance(1000)
+        node.do(Heartbeat("w1", ((rid, token),)))
+    assert node.kills == []
+    node.do(ReportFinished("w1", rid, token, "success", 0))  # the task's own end
+    node.flush()
+    assert not node.engine.marked_running(rid)
+    assert node.final_states() == ["TIMED_OUT"]  # its outcome stays the timeout's
+    node.crash_and_recover(downtime_ms=100)  # the report's note ended the mark for good
+    assert not node.engine.marked_running(rid)
+
+
+def test_a_recovered_mark_whose_worker_never_returns_is_dropped() -> None:
+    """A mark lives while its worker's lease does: after a restart, a worker that does not
+    say hello again within the reattach grace and a lease has none, and its marks go (a later
+    announcement of the task is then told to stop it)."""
+    node = Node(config=cfg(worker_lease_ms=3_000, reattach_grace_ms=5_000))
+    rid, token = marked_run(node, "m")
+    node.take_snapshot()
+    node.crash_and_recover(downtime_ms=100, via_snapshot=True)
+    assert node.engine.marked_running(rid)
+    node.advance(7_999)
+    assert node.engine.marked_running(rid)
+    node.advance(2)
+    assert not node.engine.marked_running(rid)
+    node.take_snapshot()
+    node.crash_and_recover(downtime_ms=100, via_snapshot=True)
+    assert not node.engine.marked_running(rid)  # nor brought back by the next snapshot
+    node.do(WorkerHello("w1", ("default",), 4, ((rid, token),), instance="i1"))
+    assert [(k.run_id, k.reason) for k in node.kills] == [(rid, "superseded")]
+
+
 def test_a_reattach_within_the_lease_grace_keeps_the_deadline() -> None:
     node = Node(config=cfg(worker_lease_ms=2000, reattach_grace_ms=10_000, timeout_grace_ms=0))
     node.do(WorkerHello("w1", ("default",), 1))
