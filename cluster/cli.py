@@ -164,7 +164,18 @@ def build_parser() -> argparse.ArgumentParser:
 #: such a value for an option and says "expected one argument"; given as ``--every=-5s`` it
 #: reaches the typed validation, which names the problem
 DASH_VALUE_OPTIONS: frozenset[str] = frozenset(
-    {"--every", "--in", "--timeout", "--worker-lease", "--at", "--port", "--count", "--last"}
+    {
+        "--every",
+        "--in",
+        "--timeout",
+        "--worker-lease",
+        "--at",
+        "--port",
+        "--count",
+        "--last",
+        "--drain",
+        "--connect-timeout",
+    }
 )
 
 

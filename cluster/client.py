@@ -206,8 +206,13 @@ async def created_as_sent(client: Client, spec: dict[str, Any]) -> dict[str, Any
 
 
 def parse_address(text: str) -> tuple[str, int]:
-    """``HOST:PORT`` -> (host, port); raises :class:`ClientError` on anything else."""
+    """``HOST:PORT`` -> (host, port), an IPv6 host in brackets (``[::1]:7070``) or bare
+    (``::1:7070``, the last colon ends it); raises :class:`ClientError` on anything else."""
     host, sep, port = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif "[" in host or "]" in host:
+        host = ""  # an unbalanced bracket
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ClientError(f"not HOST:PORT: {text!r}")
     return host, int(port)

@@ -12,7 +12,6 @@ import codecs
 import json
 import logging
 import os
-import shlex
 import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -44,6 +43,78 @@ err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 class UsageError(ClientError):
     """The command line itself is wrong (options that do not go together, a value that does
     not parse): exit status 2, as argparse's own usage errors."""
+
+
+#: Python's JSON reader recurses per level of nesting; the node refuses anything deeper than
+#: 32 levels anyway (docs/protocol.md), so deeper input is refused here, without a traceback.
+_TOO_DEEP = "nested too deeply (the node takes at most 32 levels)"
+
+#: What a backslash keeps its meaning before inside double quotes (POSIX sh); before
+#: anything else there, it is an ordinary character.
+_DQUOTE_ESCAPABLE = frozenset('$`"\\\n')
+
+
+def split_command(line: str) -> list[str]:
+    """``line`` split into words as a POSIX shell splits them, then used as an argv without
+    one: blanks separate words; single quotes keep everything; inside double quotes a
+    backslash escapes only ``$``, a backquote, ``"``, a backslash and a newline (and stays
+    otherwise); outside quotes it escapes any character, and a backslash-newline joins lines.
+    Nothing is expanded or run: ``$VAR``, backquotes, globs, ``~``, ``;``, ``|``, ``&``,
+    redirections and ``#`` are taken literally (``--shell`` is for those).
+
+    (Not ``shlex.split``: inside double quotes it keeps a backslash before ``$`` or a
+    backquote, where a shell removes it.) Raises ValueError for an unclosed quote.
+    O(len(line)).
+    """
+    words: list[str] = []
+    word: list[str] = []
+    in_word = False  # a quoted empty string is a word too
+    i, n = 0, len(line)
+    while i < n:
+        c = line[i]
+        if c in " \t\n":
+            if in_word:
+                words.append("".join(word))
+                word, in_word = [], False
+            i += 1
+        elif c == "'":
+            end = line.find("'", i + 1)
+            if end < 0:
+                raise ValueError("no closing quotation (')")
+            word.append(line[i + 1 : end])
+            in_word, i = True, end + 1
+        elif c == '"':
+            i += 1
+            while True:
+                if i >= n:
+                    raise ValueError('no closing quotation (")')
+                c = line[i]
+                if c == '"':
+                    i += 1
+                    break
+                if c == "\\" and i + 1 < n and line[i + 1] in _DQUOTE_ESCAPABLE:
+                    if line[i + 1] != "\n":  # (backslash-newline: both go)
+                        word.append(line[i + 1])
+                    i += 2
+                else:
+                    word.append(c)
+                    i += 1
+            in_word = True
+        elif c == "\\":
+            if i + 1 >= n:  # a lone backslash at the end stays, as sh keeps it
+                word.append(c)
+                in_word, i = True, i + 1
+                continue
+            if line[i + 1] != "\n":
+                word.append(line[i + 1])
+                in_word = True
+            i += 2
+        else:
+            word.append(c)
+            in_word, i = True, i + 1
+    if in_word:
+        words.append("".join(word))
+    return words
 
 
 def spec_from_args(args: argparse.Namespace, *, update: bool) -> dict[str, Any]:
@@ -81,11 +152,11 @@ def spec_from_args(args: argparse.Namespace, *, update: bool) -> dict[str, Any]:
         try:
             delay = parse_duration(args.in_, field="--in")
         except EngineUsageError as exc:
-            raise UsageError(f"--in: {exc}") from None
+            raise UsageError(str(exc)) from None  # (it names --in already)
         spec["schedule"] = {"at": format_utc(_now_ms() + delay)}
     if args.command_line is not None:
         try:
-            argv = shlex.split(args.command_line)
+            argv = split_command(args.command_line)
         except ValueError as exc:
             raise UsageError(f"--command: {exc}") from None
         spec["task"] = {"command": argv}
@@ -96,6 +167,8 @@ def spec_from_args(args: argparse.Namespace, *, update: bool) -> dict[str, Any]:
             spec["task"] = {"payload": json.loads(args.payload)}
         except json.JSONDecodeError as exc:
             raise UsageError(f"--payload is not JSON: {exc}") from None
+        except RecursionError:
+            raise UsageError(f"--payload is not usable JSON: {_TOO_DEEP}") from None
     for option, key in (("timeout", "timeout"), ("on_timeout", "on_timeout"), ("tier", "tier")):
         value = getattr(args, option)
         if value is not None:
@@ -369,6 +442,8 @@ def read_spec_file(path: str) -> list[tuple[int, dict[str, Any]]]:
             spec = json.loads(line)
         except json.JSONDecodeError as exc:
             raise ClientError(f"{path}:{number}: not JSON: {exc}") from None
+        except RecursionError:
+            raise ClientError(f"{path}:{number}: not usable JSON: {_TOO_DEEP}") from None
         if not isinstance(spec, dict):
             kind = {list: "a list", str: "a string", bool: "a boolean"}.get(type(spec), "")
             raise ClientError(

@@ -18,7 +18,7 @@ import trio
 from cluster.client import Client
 
 T = TypeVar("T")
-_SERVING = re.compile(rb"serving \d+ shards on [\d.]+:(\d+)")
+_SERVING = re.compile(rb"serving \d+ shards on [\d.:a-f]+:(\d+)")  # (IPv6 hosts too)
 
 
 class Proc:
@@ -45,7 +45,14 @@ class Proc:
 
 class NodeProc(Proc):
     def __init__(
-        self, data: Path, log: Path, *, shards: int = 2, lease: str = "1s", port: int = 0
+        self,
+        data: Path,
+        log: Path,
+        *,
+        shards: int = 2,
+        lease: str = "1s",
+        port: int = 0,
+        host: str = "127.0.0.1",
     ) -> None:
         """``port`` 0: one the OS picks. A restarted node takes its old port (``port=``), where
         its workers reconnect."""
@@ -63,6 +70,8 @@ class NodeProc(Proc):
                 str(shards),
                 "--worker-lease",
                 lease,
+                "--host",
+                host,
             ],
             log,
         )

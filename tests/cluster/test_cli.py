@@ -337,3 +337,83 @@ def test_connect_reason_names_each_distinct_error() -> None:
     assert connect_reason(exc) == "Connection refused"
     assert connect_reason(OSError(113, "No route to host")) == "No route to host"
     assert connect_reason(OSError("plain")) == "plain"
+
+
+# --------------------------------------------- found by the review of the issue's commands
+
+
+def test_json_nested_too_deeply_is_a_usage_error_not_a_traceback(
+    node: NodeProc, tmp_path: Path
+) -> None:
+    """Python's JSON reader raised RecursionError (not a JSONDecodeError) at ~1,000 levels:
+    a traceback, where the README promises a usage error."""
+    deep = "[" * 5000 + "]" * 5000
+    done = cli(node, "submit", "--at", "2040-01-01T00:00:00Z", "--payload", deep)
+    assert "--payload is not usable JSON: nested too deeply" in clean_failure(done, 2)
+    path = tmp_path / "deep.jsonl"
+    path.write_text('{"schedule": {"every": "1h"}, "task": {"shell": "true"}}\n' + deep + "\n")
+    done = cli(node, "submit", "--file", str(path))
+    assert f"{path}:2: not usable JSON: nested too deeply" in clean_failure(done)
+
+
+def test_a_duration_error_names_its_option_once(node: NodeProc) -> None:
+    done = cli(node, "submit", "--in", "5x", "--shell", "true")
+    stderr = clean_failure(done, 2)
+    assert stderr.count("--in") == 1, stderr
+
+
+def test_negative_worker_durations_reach_the_typed_validation() -> None:
+    for option in ("--drain", "--connect-timeout"):
+        done = tw("worker", "--connect", "127.0.0.1:1", option, "-1s")
+        assert "expected one argument" not in done.stderr, done.stderr
+        assert done.returncode == 2 and option in done.stderr, (option, done.stderr)
+
+
+def test_command_lines_are_split_as_sh_splits_them(node: NodeProc) -> None:
+    """The review's case: ``\\$`` inside double quotes lost its backslash to no one."""
+    line = 'sh -c "echo \\$0 \\`x\\`" "it\'s"'
+    done = cli(node, "submit", "--id", "split", "--at", "2040-01-01T00:00:00Z", "--command", line)
+    assert done.returncode == 0, done.stderr
+    job = json.loads(cli(node, "job", "get", "split", "--json").stdout)
+    assert job["spec"]["task"]["command"] == ["sh", "-c", "echo $0 `x`", "it's"]
+
+
+@pytest.mark.parametrize(
+    ("text", "address"),
+    [
+        ("127.0.0.1:7070", ("127.0.0.1", 7070)),
+        ("[::1]:7070", ("::1", 7070)),
+        ("::1:7070", ("::1", 7070)),
+        ("node.example:1", ("node.example", 1)),
+    ],
+)
+def test_addresses_bracketed_ipv6_included(text: str, address: tuple[str, int]) -> None:
+    from cluster.client import parse_address
+
+    assert parse_address(text) == address
+
+
+@pytest.mark.parametrize(
+    "text", ["7070", ":7070", "[::1:7070", "::1]:7070", "[]:7070", "h:0", "h:x"]
+)
+def test_addresses_that_are_not_host_port_are_refused(text: str) -> None:
+    from cluster.client import ClientError, parse_address
+
+    with pytest.raises(ClientError, match="not HOST:PORT"):
+        parse_address(text)
+
+
+def test_a_node_on_ipv6_loopback_is_reached_by_its_bracketed_address(tmp_path: Path) -> None:
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 here")
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    proc = NodeProc(tmp_path / "data", tmp_path / "node.log", host="::1")
+    try:
+        done = tw("jobs", "--json", "--connect", f"[::1]:{proc.port}")
+        assert done.returncode == 0 and json.loads(done.stdout) == [], done.stderr
+    finally:
+        proc.kill()
