@@ -471,13 +471,18 @@ class WorkerAgent:
         self._drop_attempt(rid, ticket.token)
         if stop_disposition(ticket.delivery) == "report":
             log.info("not starting %s (at-most-once): reported killed", rid)
-            held = _Held(ticket)
-            held.outcome = ("killed", None)
-            self.held[rid] = held
-            self._send_finished(rid)
+            self._report_unstarted(ticket)
         else:
             log.info("not starting %s (at-least-once): handed back", rid)
             self._greet_again()
+
+    def _report_unstarted(self, ticket: RunTicket) -> None:
+        """Report ``ticket`` ``killed``, never started here: for an at-most-once run, the
+        confirmed stop the node waits for before it may decide (a retry included)."""
+        held = _Held(ticket)
+        held.outcome = ("killed", None)
+        self.held[ticket.run_id] = held
+        self._send_finished(ticket.run_id)
 
     def _running(self) -> int:
         return self.running
@@ -751,17 +756,21 @@ class WorkerAgent:
                 self.seen[shard] = seq  # before anything may drop it: it was received
             self._on_dispatch(ticket_of(message["run"]))
         elif kind == "kill":
-            held = self.held.get(message["run_id"])
-            if held is not None and held.ticket.token == message["token"]:
+            rid, token = message["run_id"], message["token"]
+            held = self.held.get(rid)
+            if held is not None and held.ticket.token == token:
                 held.stop(str(message.get("reason", "killed by the node")))
-            before = len(self.waiting)
-            self.waiting = [
-                t
-                for t in self.waiting
-                if not (t.run_id == message["run_id"] and t.token == message["token"])
-            ]
-            if len(self.waiting) < before:
-                self._drop_attempt(message["run_id"], message["token"])
+            stopped = [t for t in self.waiting if t.run_id == rid and t.token == token]
+            if stopped:
+                self.waiting = [t for t in self.waiting if t not in stopped]
+                self._drop_attempt(rid, token)
+                if stop_disposition(stopped[0].delivery) == "report":
+                    # An at-most-once run stopped while it waited for a slot: confirmed
+                    # never run, as a task's kill is confirmed by its report. The node then
+                    # decides at once (a timeout's handler, retries included) instead of
+                    # waiting out the reattach grace for a report that never came, to
+                    # record the timeout unconfirmed, without its retry.
+                    self._report_unstarted(stopped[0])
         elif kind == "refused":
             log.warning("node refused a report: %s", message.get("message"))
             self._greet_again()

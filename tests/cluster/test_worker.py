@@ -533,3 +533,37 @@ def test_a_heartbeat_refused_for_seen_goes_again_without_it() -> None:
         assert not agent.dispatch_numbers
 
     with_scripted_node(body, lease_ms=900)
+
+
+@pytest.mark.parametrize("delivery", ["at_most_once", "at_least_once"])
+def test_a_run_killed_while_it_waits_for_a_slot(tmp_path: Path, delivery: str) -> None:
+    """A kill for a run still waiting for a slot drops it, never run. At-most-once: reported
+    ``killed`` at once, the confirmed stop the node waits for (found by review: with no report
+    the node waited out the reattach grace and recorded a timeout unconfirmed, without its
+    retry). At-least-once: dropped unreported (the node decided its timeout already)."""
+    t1, t2 = fencing_token(1, 1), fencing_token(1, 2)
+    ran = tmp_path / "ran"
+
+    async def body(node: ScriptedNode, agent: WorkerAgent) -> None:
+        await node.push(dispatch("busy", 1000, t1, "sleep 30"))
+        await node.until(lambda: "busy@1000" in agent.held)
+        waiting = dispatch("late", 1000, t2, f"echo x > {ran}")
+        waiting["run"]["delivery"] = delivery
+        await node.push(waiting)
+        await node.until(lambda: agent.waiting)
+        await node.push({"push": "kill", "run_id": "late@1000", "token": t2, "reason": "timed out"})
+        if delivery == "at_most_once":
+            await node.until(lambda: ("late@1000", t2) in node.finished())
+            assert node.finished()[("late@1000", t2)] == "killed"
+        else:
+            await node.until(lambda: not agent.waiting)
+            await trio.sleep(0.3)
+            assert ("late@1000", t2) not in node.finished()
+        assert not agent.waiting
+        await node.push(waiting)  # sent again: never run here
+        await node.push({"push": "kill", "run_id": "busy@1000", "token": t1})
+        await node.until(lambda: ("busy@1000", t1) in node.finished())
+        await trio.sleep(0.3)
+        assert not ran.exists() and not agent.waiting
+
+    with_scripted_node(body, slots=1, kill_grace_s=1.0)
