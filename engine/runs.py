@@ -101,7 +101,12 @@ def parse_run_id(text: str) -> tuple[str, int]:
     match = _RUN_ID_RE.match(text) if isinstance(text, str) else None
     if match is None:
         raise EngineUsageError(f"not a run id (JOB_ID@MS): {text!r}", field="run_id")
-    return match["job"], int(match["ms"])
+    ms = int(match["ms"])
+    if ms >= 1 << 63:  # (19 digits reach past it: no run is scheduled there)
+        raise EngineUsageError(
+            f"not a run id: its time {ms} is past 2**63-1 ms: {text!r}", field="run_id"
+        )
+    return match["job"], ms
 
 
 # ---------------------------------------------------------------------------- fencing tokens

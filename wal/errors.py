@@ -14,7 +14,7 @@ about a failure: that is the driver's (retry, give up the shard, alert).
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from engine.errors import StaleEpoch as EngineStaleEpoch
 
@@ -165,3 +165,17 @@ def translate(exc: BaseException, *, path: str, doing: str) -> StoreFailure:
         if any(f in text for f in fragments):
             return cls(f"{doing}: {text}", path=path)
     return StoreIOError(f"{doing}: {text}", path=path)
+
+
+def decoded(raw: bytes, *, path: str, what: str) -> Any:
+    """The msgpack value of a stored ``raw`` (``what``: which value, for the message); one
+    that cannot be decoded is :class:`Corrupt`, not the codec's own exception (which the
+    drivers would take for a bug of theirs, not the disk's)."""
+    from wal import codec
+
+    try:
+        return codec.unpack(raw)
+    except Exception as exc:
+        raise Corrupt(
+            f"{what} cannot be decoded ({type(exc).__name__}: {exc})", path=path
+        ) from None

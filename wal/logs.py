@@ -15,13 +15,14 @@ logs (or a whole job's, or a time range of it) is one ``delete_range``.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
 from rocksdict import Rdict, ReadOptions, WriteBatch, WriteOptions
 
 from wal import codec
-from wal.errors import StoreUsageError, translate
+from wal.errors import StoreUsageError, decoded, translate
 
 #: Stream names on the wire, and their one-byte codes in a stored chunk.
 STREAMS: Final = ("stdout", "stderr")
@@ -109,6 +110,8 @@ _MAX_TRACKED_ATTEMPTS: Final = 16
 
 
 def _prefix(key: int, at: int) -> bytes:
+    if not (codec.I64_MIN <= key <= codec.I64_MAX and codec.I64_MIN <= at <= codec.I64_MAX):
+        raise StoreUsageError(f"run ({key}, {at}) is outside the signed 64-bit range")
     return codec.i64(key) + codec.i64(at)
 
 
@@ -133,7 +136,12 @@ class RocksLogStore:
         cf: Rdict,
         path: str,
         limits: LogLimits = LogLimits(),
+        guard: Callable[[], None] | None = None,
     ) -> None:
+        """``guard``, called before every read and write of the database, raises when the
+        shard store no longer serves it (closed, or failed: a failed write's data may be in
+        the database without its fsync, and nothing may rest on it)."""
+        self._guard = guard
         self._db = db
         self._cf = cf
         self._handle = db.get_column_family_handle("logs")
@@ -177,7 +185,11 @@ class RocksLogStore:
         prefix = _prefix(key, at)
         with self._lock:
             raw = self._get(prefix + codec.u32(0))
-            state: list[Any] = [1, 0, 0, 0, 0, 0, 0] if raw is None else codec.unpack(raw)
+            state: list[Any] = (
+                [1, 0, 0, 0, 0, 0, 0]
+                if raw is None
+                else decoded(raw, path=self._path, what="a run's log state")
+            )
             if offset is not None:
                 data = _unseen(state, attempt, offset, data)
                 if not data:
@@ -276,7 +288,7 @@ class RocksLogStore:
         raw = self._get(prefix + codec.u32(0))
         if raw is None:
             return LogPage([], cursor, True)
-        state: list[Any] = codec.unpack(raw)
+        state: list[Any] = decoded(raw, path=self._path, what="a run's log state")
         out: list[LogChunk] = []
         budget = [max_bytes]
         c, pos = max(cursor & _SEQ_MASK, 1), cursor >> 32
@@ -330,6 +342,8 @@ class RocksLogStore:
     # ------------------------------------------------------------------------ plumbing
 
     def _get(self, key: bytes) -> bytes | None:
+        if self._guard is not None:
+            self._guard()
         try:
             value: bytes | None = self._cf.get(key)
         except Exception as exc:
@@ -337,6 +351,8 @@ class RocksLogStore:
         return value
 
     def _write(self, batch: WriteBatch, doing: str) -> None:
+        if self._guard is not None:
+            self._guard()
         try:
             self._db.write(batch, self._nosync)
         except Exception as exc:

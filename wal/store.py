@@ -86,6 +86,7 @@ from wal.errors import (
     StoreError,
     StoreFailure,
     StoreUsageError,
+    decoded,
     translate,
 )
 from wal.logs import LogLimits, RocksLogStore
@@ -361,8 +362,18 @@ class ShardStore:
             self._check_meta_and_fence(shard, shards, epoch)
             self._last_seq, self._snapshot_seq = self._find_positions()
             raw = self._cf[_META].get(b"counts")
-            self._counts = [0, 0, 0, 0, 0] if raw is None else list(codec.unpack(raw))
-            self.logs = RocksLogStore(self._db, self._cf[_LOGS], where, log_limits or LogLimits())
+            self._counts = (
+                [0, 0, 0, 0, 0]
+                if raw is None
+                else list(decoded(raw, path=where, what="the store's counts"))
+            )
+            self.logs = RocksLogStore(
+                self._db,
+                self._cf[_LOGS],
+                where,
+                log_limits or LogLimits(),
+                guard=self._logs_usable,
+            )
         except BaseException as exc:
             # The traceback's frames hold column families in their locals, and rocksdict
             # keeps the database (and its LOCK) open while any is referenced: a caller that
@@ -378,7 +389,10 @@ class ShardStore:
             stored = {k: meta.get(k) for k in (b"format", b"shards", b"shard", b"epoch")}
         except Exception as exc:
             raise translate(exc, path=self.path, doing="reading the store's meta") from exc
-        values = {k: None if v is None else codec.unpack(v) for k, v in stored.items()}
+        values = {
+            k: None if v is None else decoded(v, path=self.path, what=f"meta {k.decode()}")
+            for k, v in stored.items()
+        }
         fmt = values[b"format"]
         if fmt is not None and fmt > FORMAT:
             raise Corrupt(
@@ -505,7 +519,7 @@ class ShardStore:
             return self._route(batch)
         except StoreError:
             raise
-        except (EngineError, KeyError, TypeError, ValueError, OverflowError) as exc:
+        except (EngineError, KeyError, TypeError, ValueError, OverflowError, struct.error) as exc:
             raise InvalidBatch(
                 f"batch {batch.batch_id} cannot be stored: {type(exc).__name__}: {exc}",
                 path=self.path,
@@ -774,6 +788,17 @@ class ShardStore:
             raise translate(exc, path=self.path, doing="reading before a write") from exc
         return values
 
+    def _logs_usable(self) -> None:
+        """The run logs' guard: refused, as reads and writes are, once the store failed."""
+        if self._db is None:
+            raise StoreClosed("the shard store is closed", path=self.path)
+        if self._failed is not None:
+            raise type(self._failed)(
+                f"the store failed earlier and refuses run logs until reopened: "
+                f"{self._failed.message}",
+                path=self.path,
+            )
+
     def _check_writable(self) -> None:
         if self._db is None:
             raise StoreClosed("the shard store is closed", path=self.path)
@@ -830,12 +855,7 @@ class ShardStore:
     def _decode(self, raw: bytes) -> Any:
         """A stored value, for a query: one that cannot be decoded is :class:`Corrupt` (typed,
         as every failure of the store), not the codec's own exception."""
-        try:
-            return codec.unpack(raw)
-        except Exception as exc:
-            raise Corrupt(
-                f"a stored value cannot be decoded ({type(exc).__name__}: {exc})", path=self.path
-            ) from None
+        return decoded(raw, path=self.path, what="a stored value")
 
     def key_of(self, job_id: str) -> int | None:
         """The dense key of ``job_id``, or None when no durable record names it. One get."""
@@ -856,13 +876,22 @@ class ShardStore:
         spec (policy, schedule, labels: ~20 keys) was about a tenth of the node's CPU in the
         dispatch benchmark."""
         raw = self._get(_JOBS, codec.i64(key))
-        return None if raw is None else _job_ticket_fields(raw)
+        if raw is None:
+            return None
+        try:
+            return _job_ticket_fields(raw)
+        except Exception as exc:
+            raise Corrupt(
+                f"job {key}'s value cannot be decoded ({type(exc).__name__}: {exc})",
+                path=self.path,
+            ) from None
 
     def has_run(self, key: int, at: int) -> bool:
         """Whether the run of ``key`` at ``at`` is stored as having gone out (claimed at
         least once: a token), not merely fired. Retention keeps each job's newest run (see
         :meth:`retain`), so a one-shot's run stays; an older run of a job may have been
         deleted. One get and a decode."""
+        _check_i64(key=key, at=at)
         raw = self._get(_RUNS, codec.i64(key) + codec.i64(at))
         return raw is not None and _went_out(self._decode(raw[1:]))
 
@@ -898,12 +927,14 @@ class ShardStore:
 
     def run(self, key: int, at: int) -> Record | None:
         """The newest record of run ``(key, at)``, or None. One get."""
+        _check_i64(key=key, at=at)
         raw = self._get(_RUNS, codec.i64(key) + codec.i64(at))
         return None if raw is None else dict(self._decode(raw[1:]))
 
     def last_runs(self, key: int, n: int = 20, *, before: int | None = None) -> list[Record]:
         """The newest ``n`` runs of job ``key`` scheduled before ``before`` (all when None),
         newest first. One reverse range scan of n entries."""
+        _check_i64(key=key, before=before)
         hi = _bound(key, codec.I64_MAX + 1 if before is None else before)
         lo = codec.i64(key) + codec.LOW8
         return [self._decode(v[1:]) for _k, v in self._scan(_RUNS, lo, hi, limit=n, reverse=True)]
@@ -912,6 +943,7 @@ class ShardStore:
         """The newest ``n`` history entries (``skip`` records by their first time, ``note``
         records by their run's time) of job ``key`` before ``before``, newest first. One
         reverse range scan."""
+        _check_i64(key=key, before=before)
         hi = _bound(key, codec.I64_MAX + 1 if before is None else before)
         lo = codec.i64(key) + codec.LOW8
         return [self._decode(v) for _k, v in self._scan(_HISTORY, lo, hi, limit=n, reverse=True)]
@@ -1340,13 +1372,13 @@ class ShardStore:
             if last_is_newest and i == len(runs) - 1:
                 if before is None:
                     newest = at  # the count pass: whatever its state, it stays
-                elif codec.unpack(v[1:]).get("state") in FINAL_VALUES:
+                elif self._decode(v[1:]).get("state") in FINAL_VALUES:
                     newest = at  # past the age: its record stays, its history goes
                     aged.append(at)
                 else:
                     keep.append(at)  # in flight: kept and indexed again, as any run in flight
             else:
-                state = codec.unpack(v[1:]).get("state")
+                state = self._decode(v[1:]).get("state")
                 if state in FINAL_VALUES:
                     deleted += 1
                     continue
@@ -1588,6 +1620,14 @@ def _route_pos(
         cls = _POS_IDLE
     puts.append((_POS, pk, _POS_BYTES[cls] + data))
     pos.append((pk, cls))
+
+
+def _check_i64(**values: int | None) -> None:
+    """A query's keys and times fit the store's signed 64-bit keys (None: not given), or
+    :class:`StoreUsageError` (not the key codec's ``struct.error``)."""
+    for name, value in values.items():
+        if value is not None and not codec.I64_MIN <= value <= codec.I64_MAX:
+            raise StoreUsageError(f"{name} {value} is outside the signed 64-bit range")
 
 
 def _bound(key: int, at: int) -> bytes:

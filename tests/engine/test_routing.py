@@ -24,3 +24,14 @@ def test_bad_counts_and_run_ids_are_typed_errors() -> None:
         shard_of("x", 0)
     with pytest.raises(EngineUsageError):
         shard_of_run("no-at-sign", 4)
+
+
+def test_run_ids_past_64_bit_times_are_refused() -> None:
+    """19 digits reach past 2**63-1: such an id named no run, and reached the store's key
+    codec as an untyped error (found by review)."""
+    from engine.runs import parse_run_id
+
+    assert parse_run_id(f"j@{(1 << 63) - 1}") == ("j", (1 << 63) - 1)
+    for text in (f"j@{1 << 63}", "j@9999999999999999999"):
+        with pytest.raises(EngineUsageError, match="past 2"):
+            parse_run_id(text)

@@ -219,6 +219,14 @@ def test_after_a_failed_fsync_reads_are_refused_too(tmp_path: Path) -> None:
             store.job("job-2")
         with pytest.raises(StoreFailure):
             store.job("job-1")  # refused as well: the store is failed until reopened
+        # and so are run logs (found by a second review: appends were still taken, and read
+        # back, on a failed store)
+        with pytest.raises(StoreFailure, match="refuses run logs"):
+            store.logs.append(1, 5, "stdout", b"after the failure")
+        with pytest.raises(StoreFailure, match="refuses run logs"):
+            store.logs.read(1, 5)
+        with pytest.raises(StoreFailure, match="refuses run logs"):
+            store.logs.drop(1, 0, 10)
     finally:
         store._db = real
         store.close()
@@ -256,3 +264,65 @@ def test_a_value_that_cannot_be_decoded_is_corrupt_not_a_codec_error(tmp_path: P
             store.job_by_key(1)
         with pytest.raises(Corrupt):
             store.latest(1)
+
+
+def test_undecodable_values_are_corrupt_on_every_path(tmp_path: Path) -> None:
+    """Found by a second review: the store's counts and meta at open, a run's value in a
+    retention pass, and a run's log state (read and append) still surfaced msgpack's own
+    FormatError, which the node takes for a bug of its own (a shard stopped as a bug; a
+    start-up traceback) instead of a corrupt directory."""
+    from tests.wal.records import T0, batch, run
+    from wal import codec
+    from wal.store import _LOGS, _META, _RUNS, Retention
+
+    store = ShardStore.open(tmp_path, shard=0, shards=1, epoch=1)
+    try:
+        store.write([created(1), batch(2, run(1, T0, "SUCCESS")), batch(3, run(1, T0 + 1))])
+        store.logs.append(1, T0, "stdout", b"hi")
+        store._cf[_LOGS][codec.i64(1) + codec.i64(T0) + codec.u32(0)] = b"\xc1"
+        with pytest.raises(Corrupt, match="log state"):
+            store.logs.read(1, T0)
+        with pytest.raises(Corrupt, match="log state"):
+            store.logs.append(1, T0, "stdout", b"x")
+        store._cf[_RUNS][codec.i64(1) + codec.i64(T0)] = b"\x00\xc1"
+        with pytest.raises(Corrupt):
+            store.retain(T0 + 10**9, Retention(max_age_ms=1, max_runs_per_job=None))
+        store._cf[1].put(codec.i64(1), b"\x93\x01\xc1")  # job 1: [1, <never valid>, ...]
+        with pytest.raises(Corrupt):
+            store.ticket_fields(1)
+        store._cf[_META][b"counts"] = b"\xc1"
+    finally:
+        store.close()
+    with pytest.raises(Corrupt, match="counts"):
+        ShardStore.open(tmp_path, shard=0, shards=1, epoch=2)
+    with ShardStore.open(tmp_path / "b", shard=0, shards=1, epoch=1) as other:
+        other._cf[_META][b"shards"] = b"\xc1"
+    with pytest.raises(Corrupt, match="meta shards"):
+        ShardStore.open(tmp_path / "b", shard=0, shards=1, epoch=2)
+
+
+def test_keys_and_times_past_64_bits_are_usage_errors(tmp_path: Path) -> None:
+    """Found by the second review: a run time of 2**63 or more (a 19-digit run id) raised the
+    key codec's struct.error from the queries, the log store and prepare."""
+    from engine.effects import Persist
+    from tests.wal.records import T0, run
+    from wal.errors import InvalidBatch, StoreUsageError
+
+    big = 1 << 63
+    with ShardStore.open(tmp_path, shard=0, shards=1, epoch=1) as store:
+        store.write([created(1)])
+        for call in (
+            lambda: store.run(1, big),
+            lambda: store.run(big, T0),
+            lambda: store.has_run(1, big),
+            lambda: store.last_runs(big),
+            lambda: store.last_runs(1, before=big + 1),
+            lambda: store.history(-big - 1),
+            lambda: store.logs.append(1, big, "stdout", b"x"),
+            lambda: store.logs.read(big, T0),
+        ):
+            with pytest.raises(StoreUsageError, match="signed 64-bit"):
+                call()
+        with pytest.raises(InvalidBatch):
+            store.write([Persist(2, 1, (run(1, big),))])
+        assert store.job_by_key(1) is not None and store.last_runs(1) == []  # nothing written
