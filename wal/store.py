@@ -304,6 +304,10 @@ class ShardStore:
         self._counts = [0, 0, 0, 0, 0]
         self._failed: StoreFailure | None = None
         self._touched: set[int] = set()  # jobs given a new run since the last retain()
+        #: where the count pass's sweep of every job's run count goes on, a page a call, once
+        #: after each open (None: done): ``_touched`` lives in memory, so a job over the limit
+        #: before a restart (or a limit lowered at one) is found by this sweep
+        self._count_from: bytes | None = codec.LOW8
         #: where the age pass's sweep of the time index goes on (None: from its start): a
         #: call that stops at ``max_entries`` resumes past what it visited, so the runs it
         #: keeps (in flight, indexed again at their time) do not fill the next call too
@@ -1220,8 +1224,18 @@ class ShardStore:
                 self._write_retention(wb, nruns, unindexed)
             if policy.max_runs_per_job is not None:
                 wb, nruns = WriteBatch(raw_mode=True), {}
-                self._retain_by_count(wb, policy.max_runs_per_job, report, nruns)
-                self._write_retention(wb, nruns, {})
+                touched, self._touched = self._touched, set()
+                try:
+                    over = self._retain_by_count(
+                        wb, policy.max_runs_per_job, touched, max_entries, report, nruns
+                    )
+                    self._write_retention(wb, nruns, {})
+                except BaseException:
+                    self._touched |= touched  # nothing deleted: visited again next call
+                    raise
+                # Still over the limit (runs kept in flight, which may end any time): again
+                # next call, though no new run comes.
+                self._touched |= over
         return report
 
     def _write_retention(
@@ -1306,11 +1320,28 @@ class ShardStore:
         report.kept_in_flight += len(kept)
 
     def _retain_by_count(
-        self, wb: WriteBatch, limit: int, report: RetentionReport, nruns: dict[int, int]
-    ) -> None:
-        touched, self._touched = self._touched, set()
+        self,
+        wb: WriteBatch,
+        limit: int,
+        touched: set[int],
+        max_entries: int,
+        report: RetentionReport,
+        nruns: dict[int, int],
+    ) -> set[int]:
+        """Trim the jobs of ``touched`` (and of this call's page of the sweep after an open)
+        whose run count exceeds ``limit``; returns those left over it."""
+        if self._count_from is not None:
+            page = self._scan(_NRUNS, self._count_from, None, limit=max_entries + 1)
+            if len(page) > max_entries:
+                self._count_from = page[max_entries][0]
+                page = page[:max_entries]
+                report.more = True
+            else:
+                self._count_from = None
+            touched = touched | {codec.read_i64(k) for k, v in page if codec.read_u64(v) > limit}
+        over: set[int] = set()
         if not touched:
-            return
+            return over
         order = sorted(touched)
         stored = self._multiget(self._cf[_NRUNS], [codec.i64(j) for j in order])
         for job, raw in zip(order, stored, strict=True):
@@ -1325,6 +1356,9 @@ class ShardStore:
             report.kept_in_flight += len(keep)
             if deleted:
                 nruns[job] = n - deleted
+            if n - deleted > limit:
+                over.add(job)
+        return over
 
     def _drop_runs(
         self,

@@ -251,3 +251,67 @@ def test_an_append_does_not_wait_for_a_retention_pass(tmp_path: Path) -> None:
         waited = time.monotonic() - started
         retention.join(10)
         assert waited < 0.5
+
+
+COUNT = Retention(max_age_ms=None, max_runs_per_job=3)
+
+
+def test_the_count_pass_finds_jobs_over_the_limit_after_a_reopen(tmp_path: Path) -> None:
+    """Found by the second review: the count pass visited only jobs given a new run since the
+    last pass (kept in memory), so a job over the limit at a restart, or under a limit lowered
+    at one, stayed over it for good. Every job's count is swept once after an open, a page
+    (``max_entries``) a call, ``more`` set until the sweep is done."""
+    with open_store(tmp_path) as store:
+        store.write([created(k) for k in range(1, 6)])
+        store.write(
+            [batch(10 + i, run(k, T0 + i, "SUCCESS")) for k in range(1, 6) for i in range(5)]
+        )
+    with open_store(tmp_path, epoch=2) as store:
+        assert [len(ats(store, k)) for k in range(1, 6)] == [5] * 5
+        first = store.retain(T0, COUNT, max_entries=2)
+        assert first.more and first.runs_deleted == 4  # two jobs' counts swept, two trimmed
+        while store.retain(T0, COUNT, max_entries=2).more:
+            pass
+        assert [ats(store, k) for k in range(1, 6)] == [[T0 + 2, T0 + 3, T0 + 4]] * 5
+        assert [store.run_count(k) for k in range(1, 6)] == [3] * 5
+        assert not store.retain(T0, COUNT).more  # swept once an open: done
+
+
+def test_a_job_kept_over_the_limit_by_a_run_in_flight_is_trimmed_once_it_ends(
+    tmp_path: Path,
+) -> None:
+    """Found by the second review: the run kept in flight ended, no new run came, and the
+    job stayed over the limit."""
+    with open_store(tmp_path) as store:
+        store.write([created(1)])
+        store.write(
+            [batch(10 + i, run(1, T0 + i, "RUNNING" if i == 0 else "SUCCESS")) for i in range(5)]
+        )
+        report = store.retain(T0, COUNT)
+        assert report.runs_deleted == 1 and report.kept_in_flight == 1
+        assert ats(store, 1) == [T0, T0 + 2, T0 + 3, T0 + 4]
+        store.write([batch(20, run(1, T0, "SUCCESS"))])  # it ends: a new state, no new run
+        assert store.retain(T0, COUNT).runs_deleted == 1
+        assert ats(store, 1) == [T0 + 2, T0 + 3, T0 + 4] and store.run_count(1) == 3
+
+
+def test_a_count_pass_that_fails_visits_its_jobs_again(tmp_path: Path) -> None:
+    import pytest
+
+    from wal.errors import StoreIOError
+
+    with open_store(tmp_path) as store:
+        store.write([created(1)])
+        store.retain(T0, COUNT)  # the sweep after the open: done
+        store.write([batch(10 + i, run(1, T0 + i, "SUCCESS")) for i in range(5)])
+        real = store._commit
+
+        def failing(*args: object, **kwargs: object) -> None:
+            raise StoreIOError("simulated", path=str(tmp_path))
+
+        store._commit = failing  # type: ignore[method-assign]
+        with pytest.raises(StoreIOError):
+            store.retain(T0, COUNT)
+        store._commit = real  # type: ignore[method-assign]
+        assert store.retain(T0, COUNT).runs_deleted == 2
+        assert ats(store, 1) == [T0 + 2, T0 + 3, T0 + 4]
