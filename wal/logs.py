@@ -95,7 +95,12 @@ class LogStore(Protocol):
         ...
 
     def drop(self, key: int, lo: int, hi: int) -> None:
-        """Forget the output of job ``key``'s runs scheduled in ``[lo, hi)``."""
+        """Forget the output of job ``key``'s runs scheduled in ``[lo, hi)`` (``hi`` may be
+        ``2**63``: everything from ``lo`` on). Idempotent: retention may ask it again."""
+        ...
+
+    def close(self) -> None:
+        """Let go of what it holds; called once, by the shard store's close."""
         ...
 
 

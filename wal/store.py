@@ -47,7 +47,7 @@ import os
 import struct
 import threading
 import traceback
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -89,7 +89,7 @@ from wal.errors import (
     decoded,
     translate,
 )
-from wal.logs import LogLimits, RocksLogStore
+from wal.logs import LogLimits, LogStore, RocksLogStore
 
 FORMAT: Final = 1
 COLUMN_FAMILIES: Final = (
@@ -287,7 +287,7 @@ class ShardStore:
         self.shards = 0
         self.epoch = 0
         self.previous_epoch: int | None = None
-        self.logs: RocksLogStore
+        self.logs: LogStore
         self._db: Rdict | None = None
         self._cf: list[Rdict] = []
         self._h: list[Any] = []
@@ -304,6 +304,8 @@ class ShardStore:
         self._counts = [0, 0, 0, 0, 0]
         self._failed: StoreFailure | None = None
         self._touched: set[int] = set()  # jobs given a new run since the last retain()
+        #: a foreign log store's drops of the retention write being made (see _drop_logs)
+        self._log_drops: list[tuple[int, int, int]] = []
         #: where the count pass's sweep of every job's run count goes on, a page a call, once
         #: after each open (None: done): ``_touched`` lives in memory, so a job over the limit
         #: before a restart (or a limit lowered at one) is found by this sweep
@@ -333,9 +335,16 @@ class ShardStore:
         shards: int,
         epoch: int,
         log_limits: LogLimits | None = None,
+        log_store: Callable[[], LogStore] | None = None,
     ) -> ShardStore:
         """Open (creating if needed) the directory of shard ``shard`` of ``shards`` for
         ``epoch``, and record the epoch durably before anything else can be written.
+
+        Run logs go to the shard's RocksDB (:class:`RocksLogStore`), or to what ``log_store``
+        makes (an object store, say: any :class:`LogStore`; ``log_limits`` is then its
+        business). Retention drops a foreign store's logs of the runs it deletes just before
+        its own write, by :meth:`LogStore.drop` (a crash between the two leaves runs without
+        their logs, which the next pass deletes; never logs without their runs).
 
         Raises :class:`StoreLocked` when another opener holds the directory,
         :class:`ShardCountMismatch` / :class:`ShardMismatch` when it was created for another
@@ -371,12 +380,16 @@ class ShardStore:
                 if raw is None
                 else list(decoded(raw, path=where, what="the store's counts"))
             )
-            self.logs = RocksLogStore(
-                self._db,
-                self._cf[_LOGS],
-                where,
-                log_limits or LogLimits(),
-                guard=self._logs_usable,
+            self.logs = (
+                RocksLogStore(
+                    self._db,
+                    self._cf[_LOGS],
+                    where,
+                    log_limits or LogLimits(),
+                    guard=self._logs_usable,
+                )
+                if log_store is None
+                else log_store()
             )
         except BaseException as exc:
             # The traceback's frames hold column families in their locals, and rocksdict
@@ -1218,12 +1231,14 @@ class ShardStore:
             unindexed: dict[int, int]
             if policy.max_age_ms is not None:
                 wb, nruns, unindexed = WriteBatch(raw_mode=True), {}, {}
+                self._log_drops = []
                 self._retain_by_age(
                     wb, now_ms - policy.max_age_ms, max_entries, report, nruns, unindexed
                 )
                 self._write_retention(wb, nruns, unindexed)
             if policy.max_runs_per_job is not None:
                 wb, nruns = WriteBatch(raw_mode=True), {}
+                self._log_drops = []
                 touched, self._touched = self._touched, set()
                 try:
                     over = self._retain_by_count(
@@ -1258,13 +1273,21 @@ class ShardStore:
                     newest, flag = unindexed[job], 1
                 # else keep the newest run time: deleting runs does not make older times new
                 wb.put(codec.i64(job), _job_runs_value(n, newest, flag), self._h[_NRUNS])
+        drops, self._log_drops = self._log_drops, []
+        logs = self.logs
+        if not isinstance(logs, RocksLogStore):
+            for job, lo, hi in drops:  # first: never logs left without their runs
+                logs.drop(job, lo, hi)
         if len(wb):
-            # Under the log store's lock too (taken after the store's; an append takes only
-            # it), for the write alone: an append between its read of a run's log state and
-            # its write would otherwise bring a dropped run's logs back (see
-            # RocksLogStore.exclusive). Not for the pass: appends come from the node's event
-            # loop, which must not wait for a scan.
-            with self.logs.exclusive:
+            if isinstance(logs, RocksLogStore):
+                # Under the log store's lock too (taken after the store's; an append takes
+                # only it), for the write alone: an append between its read of a run's log
+                # state and its write would otherwise bring a dropped run's logs back (see
+                # RocksLogStore.exclusive). Not for the pass: appends come from the node's
+                # event loop, which must not wait for a scan.
+                with logs.exclusive:
+                    self._commit(wb, "deleting old run history", sync=False)
+            else:
                 self._commit(wb, "deleting old run history", sync=False)
             # Deleted runs are never held again; forget what the caches say of them.
             self._run_cls = {}
@@ -1360,6 +1383,15 @@ class ShardStore:
                 over.add(job)
         return over
 
+    def _drop_logs(self, wb: WriteBatch, job: int, lo: int, hi: int) -> None:
+        """The logs of job ``job``'s runs in ``[lo, hi)`` go with the pass's write: in it (the
+        local store's, atomically), or just before it (another store's)."""
+        logs = self.logs
+        if isinstance(logs, RocksLogStore):
+            logs.drop_into(wb, job, lo, hi)
+        else:
+            self._log_drops.append((job, lo, hi))
+
     def _drop_runs(
         self,
         wb: WriteBatch,
@@ -1427,12 +1459,12 @@ class ShardStore:
             if deleted:
                 wb.delete_range(a, b, self._h[_RUNS])
             wb.delete_range(a, b, self._h[_HISTORY])
-            self.logs.drop_into(wb, job, lo, hi_t)
+            self._drop_logs(wb, job, lo, hi_t)
             report.ranges += 1
         for at in aged:
             a, b = _bound(job, at), _bound(job, at + 1)
             wb.delete_range(a, b, self._h[_HISTORY])
-            self.logs.drop_into(wb, job, at, at + 1)
+            self._drop_logs(wb, job, at, at + 1)
         report.runs_deleted += deleted
         if deleted:
             report.jobs_trimmed += 1

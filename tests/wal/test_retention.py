@@ -315,3 +315,62 @@ def test_a_count_pass_that_fails_visits_its_jobs_again(tmp_path: Path) -> None:
         store._commit = real  # type: ignore[method-assign]
         assert store.retain(T0, COUNT).runs_deleted == 2
         assert ats(store, 1) == [T0 + 2, T0 + 3, T0 + 4]
+
+
+class MemoryLogs:
+    """A LogStore of its own (what an object store would be): chunks in a dict."""
+
+    def __init__(self) -> None:
+        self.chunks: dict[tuple[int, int], list[tuple[str, bytes]]] = {}
+        self.drops: list[tuple[int, int, int]] = []
+        self.closed = False
+
+    def append(
+        self,
+        key: int,
+        at: int,
+        stream: str,
+        data: bytes,
+        *,
+        attempt: int = 1,
+        offset: int | None = None,
+    ) -> None:
+        self.chunks.setdefault((key, at), []).append((stream, bytes(data)))
+
+    def read(
+        self, key: int, at: int, *, cursor: int = 0, limit: int = 64, max_bytes: int = 1 << 20
+    ) -> object:
+        from wal.logs import LogChunk, LogPage
+
+        items = self.chunks.get((key, at), [])[cursor : cursor + limit]
+        chunks = [LogChunk(cursor + i + 1, s, 1, d) for i, (s, d) in enumerate(items)]
+        return LogPage(chunks, cursor + len(items), True)
+
+    def drop(self, key: int, lo: int, hi: int) -> None:
+        self.drops.append((key, lo, hi))
+        for run in [r for r in self.chunks if r[0] == key and lo <= r[1] < hi]:
+            del self.chunks[run]
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_another_log_store_takes_the_runs_logs_and_retention_drops_them(tmp_path: Path) -> None:
+    """Found by the second review: the LogStore interface could not be replaced (the store
+    made its own, and retention used the local one's batch and lock)."""
+    logs = MemoryLogs()
+    with ShardStore.open(tmp_path, shard=0, shards=1, epoch=1, log_store=lambda: logs) as store:
+        assert store.logs is logs
+        store.write([created(1)])
+        days = list(range(12))
+        states = {d: "RUNNING" if d == 3 else "SUCCESS" for d in days}
+        store.write([batch(10 + d, run(1, T0 + d * DAY, states[d])) for d in days])
+        for d in days:
+            store.logs.append(1, T0 + d * DAY, "stdout", b"out")
+        store.retain(T0 + 21 * DAY, AGE)  # cutoff: day 11, the newest
+        # gone with their runs: days 0-10 but day 3 (in flight); day 11 is the newest, kept
+        # with its logs (the cutoff does not reach it)
+        assert sorted(at for _k, at in logs.chunks) == [T0 + 3 * DAY, T0 + 11 * DAY]
+        assert ats(store, 1) == [T0 + 3 * DAY, T0 + 11 * DAY]
+        assert all(key == 1 for key, _lo, _hi in logs.drops)
+    assert logs.closed
