@@ -348,8 +348,8 @@ class MemoryLogs:
 
     def drop(self, key: int, lo: int, hi: int) -> None:
         self.drops.append((key, lo, hi))
-        for run in [r for r in self.chunks if r[0] == key and lo <= r[1] < hi]:
-            del self.chunks[run]
+        for gone in [r for r in self.chunks if r[0] == key and lo <= r[1] < hi]:
+            del self.chunks[gone]
 
     def close(self) -> None:
         self.closed = True
