@@ -713,7 +713,7 @@ class ShardEngine:
         if self._marks_expire_mono is not None and mono >= self._marks_expire_mono:
             self._marks_expire_mono = None
             for rid in [rid for rid, (_t, w) in self._marked.items() if w not in self._workers]:
-                del self._marked[rid]
+                self._end_mark(rid, "its worker did not come back after a restart")
         timers = self._worker_timers
         nd = timers.next_due()
         if nd is not None and nd <= mono:
@@ -1933,9 +1933,29 @@ class ShardEngine:
         same_process = bool(cmd.instance) and cmd.instance == worker.instance
         worker.instance = cmd.instance
         again = self._forget_unheld(worker, cmd.held, cmd.seen if same_process else None)
+        if self._marked:
+            # A hello names every run its worker holds: a marked task it omits ended (the
+            # worker restarted, or fenced itself and killed it) without a report.
+            announced = {rid for rid, _token in cmd.held}
+            for rid, (_t, w) in list(self._marked.items()):
+                if w == worker.worker_id and rid not in announced:
+                    self._end_mark(rid, "its worker no longer holds it")
         self._renew(worker, cmd.held)
         for run in again:
             self._send_again(worker, run)
+
+    def _end_mark(self, rid: str, why: str) -> None:
+        """Forget the mark of ``rid`` (on_timeout=mark), recorded as a note, as the task's
+        own report is: a restart must not bring the mark back (see _apply)."""
+        mark = self._marked.pop(rid, None)
+        if mark is None:
+            return
+        token, worker_id = mark
+        job_id, at = parse_run_id(rid)
+        key = self._key_of(job_id)
+        if key is not None:
+            what = f"mark ended: {why}"
+            self._emit(rec.make("note", key=key, at=at, tok=token, what=what, w=worker_id))
 
     def _forget_unheld(
         self, worker: _Worker, held: tuple[tuple[str, int], ...], seen: int | None
@@ -2078,7 +2098,7 @@ class ShardEngine:
         worker = self._workers.pop(worker_id)
         self._free_slots.append(slot)
         for rid in [rid for rid, (_t, w) in self._marked.items() if w == worker_id]:
-            del self._marked[rid]
+            self._end_mark(rid, "its worker's lease lapsed")
         for ref in sorted(worker.runs):
             run = self._runs.get(ref)
             if run is not None and run.worker == worker_id:
@@ -2560,9 +2580,10 @@ class ShardEngine:
 
     def marked_running(self, rid: str) -> bool:
         """Whether run ``rid`` is final TIMED_OUT under ``on_timeout=mark`` while its task
-        still runs on its worker (as far as this engine knows: until the task's report or the
-        worker's lease lapsing; the mark is recorded, so a restart keeps it while the worker
-        says hello again within the reattach grace and its lease)."""
+        still runs on its worker (as far as this engine knows: until the task's report, the
+        worker's lease lapsing, or its hello without the task; the mark is recorded, so a
+        restart keeps it while the worker says hello again within the reattach grace and its
+        lease)."""
         return rid in self._marked
 
     def paused(self, job_id: str) -> bool:

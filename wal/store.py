@@ -42,6 +42,7 @@ directory's only writer), and a run scheduled after the newest run its job ever 
 
 from __future__ import annotations
 
+import logging
 import operator
 import os
 import struct
@@ -90,6 +91,8 @@ from wal.errors import (
     translate,
 )
 from wal.logs import LogLimits, LogStore, RocksLogStore
+
+log = logging.getLogger("tickwheel.store")
 
 FORMAT: Final = 1
 COLUMN_FAMILIES: Final = (
@@ -306,6 +309,7 @@ class ShardStore:
         self._touched: set[int] = set()  # jobs given a new run since the last retain()
         #: a foreign log store's drops of the retention write being made (see _drop_logs)
         self._log_drops: list[tuple[int, int, int]] = []
+        self._local_logs = True  # the logs are this store's own RocksLogStore (open's default)
         #: where the count pass's sweep of every job's run count goes on, a page a call, once
         #: after each open (None: done): ``_touched`` lives in memory, so a job over the limit
         #: before a restart (or a limit lowered at one) is found by this sweep
@@ -391,6 +395,7 @@ class ShardStore:
                 if log_store is None
                 else log_store()
             )
+            self._local_logs = log_store is None
         except BaseException as exc:
             # The traceback's frames hold column families in their locals, and rocksdict
             # keeps the database (and its LOCK) open while any is referenced: a caller that
@@ -480,7 +485,10 @@ class ShardStore:
         # rocksdict keeps the database open while any column family object, handle or
         # iterator refers to it; drop them all first, so that close() frees the LOCK.
         if hasattr(self, "logs"):
-            self.logs.close()
+            try:
+                self.logs.close()
+            except Exception:  # (another store's: the database must still close)
+                log.exception("closing the run log store failed")
         self._cf, self._h, self._db = [], [], None
         try:
             db.close()
@@ -1196,8 +1204,10 @@ class ShardStore:
         By age: visits the time index from its start up to ``now_ms - max_age_ms`` (at most
         ``max_entries`` entries: O(expired), never the whole store), and per job found deletes
         its runs, history and logs before the cutoff with a few range deletes. By count: for
-        jobs given new runs since the last call whose stored run count exceeds
-        ``max_runs_per_job``, deletes the oldest excess (O(deleted) reads). Runs not in a final
+        jobs given new runs since the last call, or left over the limit by it, whose stored run
+        count exceeds ``max_runs_per_job``, deletes the oldest excess (O(deleted) reads); once
+        after each open it also sweeps every job's count, ``max_entries`` a call (``more``
+        set until done). Runs not in a final
         state are kept (ranges are split around them), and so is each job's newest run (the
         greatest scheduled time), with its history and logs, whatever its age: a job's last
         status stays visible, and ``has_run`` still knows a one-shot's time that ran (a create
@@ -1240,13 +1250,16 @@ class ShardStore:
                 wb, nruns = WriteBatch(raw_mode=True), {}
                 self._log_drops = []
                 touched, self._touched = self._touched, set()
+                count_from = self._count_from
                 try:
                     over = self._retain_by_count(
                         wb, policy.max_runs_per_job, touched, max_entries, report, nruns
                     )
                     self._write_retention(wb, nruns, {})
                 except BaseException:
-                    self._touched |= touched  # nothing deleted: visited again next call
+                    # Nothing deleted: its jobs, and its page of the sweep, next call.
+                    self._touched |= touched
+                    self._count_from = count_from
                     raise
                 # Still over the limit (runs kept in flight, which may end any time): again
                 # next call, though no new run comes.
@@ -1275,11 +1288,16 @@ class ShardStore:
                 wb.put(codec.i64(job), _job_runs_value(n, newest, flag), self._h[_NRUNS])
         drops, self._log_drops = self._log_drops, []
         logs = self.logs
-        if not isinstance(logs, RocksLogStore):
+        if not self._local_logs:
             for job, lo, hi in drops:  # first: never logs left without their runs
-                logs.drop(job, lo, hi)
+                try:
+                    logs.drop(job, lo, hi)
+                except StoreError:
+                    raise
+                except Exception as exc:  # typed, as every failure of a pass
+                    raise translate(exc, path=self.path, doing="dropping run logs") from exc
         if len(wb):
-            if isinstance(logs, RocksLogStore):
+            if isinstance(logs, RocksLogStore) and self._local_logs:
                 # Under the log store's lock too (taken after the store's; an append takes
                 # only it), for the write alone: an append between its read of a run's log
                 # state and its write would otherwise bring a dropped run's logs back (see
@@ -1387,7 +1405,7 @@ class ShardStore:
         """The logs of job ``job``'s runs in ``[lo, hi)`` go with the pass's write: in it (the
         local store's, atomically), or just before it (another store's)."""
         logs = self.logs
-        if isinstance(logs, RocksLogStore):
+        if isinstance(logs, RocksLogStore) and self._local_logs:
             logs.drop_into(wb, job, lo, hi)
         else:
             self._log_drops.append((job, lo, hi))

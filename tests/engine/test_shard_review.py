@@ -633,10 +633,12 @@ def test_a_marked_task_runs_on_across_a_restart(via_snapshot: bool) -> None:
     assert not node.engine.marked_running(rid)
 
 
-def test_a_recovered_mark_whose_worker_never_returns_is_dropped() -> None:
+@pytest.mark.parametrize("via_snapshot", [False, True])
+def test_a_recovered_mark_whose_worker_never_returns_is_dropped(via_snapshot: bool) -> None:
     """A mark lives while its worker's lease does: after a restart, a worker that does not
-    say hello again within the reattach grace and a lease has none, and its marks go (a later
-    announcement of the task is then told to stop it)."""
+    say hello again within the reattach grace and a lease has none, and its marks go, for
+    good (recorded: a later restart from records or a snapshot does not bring it back), and a
+    later announcement of the task is told to stop it."""
     node = Node(config=cfg(worker_lease_ms=3_000, reattach_grace_ms=5_000))
     rid, token = marked_run(node, "m")
     node.take_snapshot()
@@ -646,11 +648,45 @@ def test_a_recovered_mark_whose_worker_never_returns_is_dropped() -> None:
     assert node.engine.marked_running(rid)
     node.advance(2)
     assert not node.engine.marked_running(rid)
-    node.take_snapshot()
-    node.crash_and_recover(downtime_ms=100, via_snapshot=True)
-    assert not node.engine.marked_running(rid)  # nor brought back by the next snapshot
+    node.flush()
+    if via_snapshot:
+        node.take_snapshot()
+    node.crash_and_recover(downtime_ms=100, via_snapshot=via_snapshot)
+    assert not node.engine.marked_running(rid)
     node.do(WorkerHello("w1", ("default",), 4, ((rid, token),), instance="i1"))
     assert [(k.run_id, k.reason) for k in node.kills] == [(rid, "superseded")]
+
+
+@pytest.mark.parametrize("via_snapshot", [False, True])
+def test_a_mark_ended_by_a_lease_lapse_stays_ended_after_a_restart(via_snapshot: bool) -> None:
+    """Found by review: the lease lapse forgot the mark in memory only, so a restart (from
+    records, or from a snapshot taken before the lapse) brought it back for a task its worker
+    had killed when it fenced itself, and ``logs --follow`` never ended."""
+    node = Node(config=cfg(worker_lease_ms=3_000, reattach_grace_ms=5_000))
+    rid, _token = marked_run(node, "m")
+    if via_snapshot:
+        node.take_snapshot()
+    node.advance(3_001)  # no heartbeat: the lease lapses (the worker fences itself)
+    assert not node.engine.marked_running(rid)
+    node.flush()
+    node.crash_and_recover(downtime_ms=100, via_snapshot=via_snapshot)
+    assert not node.engine.marked_running(rid)
+
+
+@pytest.mark.parametrize("restart_node", [False, True])
+def test_a_hello_without_the_marked_task_ends_its_mark(restart_node: bool) -> None:
+    """Found by review: a worker that restarted (a new process) says hello without the task,
+    which died with it; the mark stayed for as long as the worker lived."""
+    node = Node(config=cfg(worker_lease_ms=10_000, reattach_grace_ms=20_000))
+    rid, _token = marked_run(node, "m")
+    if restart_node:
+        node.crash_and_recover(downtime_ms=100)
+        assert node.engine.marked_running(rid)
+    node.do(WorkerHello("w1", ("default",), 4, (), instance="i2"))
+    assert not node.engine.marked_running(rid)
+    node.flush()
+    node.crash_and_recover(downtime_ms=100)
+    assert not node.engine.marked_running(rid)
 
 
 def test_a_reattach_within_the_lease_grace_keeps_the_deadline() -> None:

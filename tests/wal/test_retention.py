@@ -374,3 +374,31 @@ def test_another_log_store_takes_the_runs_logs_and_retention_drops_them(tmp_path
         assert ats(store, 1) == [T0 + 3 * DAY, T0 + 11 * DAY]
         assert all(key == 1 for key, _lo, _hi in logs.drops)
     assert logs.closed
+
+
+def test_a_failed_pass_keeps_its_page_of_the_sweep(tmp_path: Path) -> None:
+    """Found by review: a pass that failed without poisoning the store (here another log
+    store's drop) lost its page of the after-open sweep, and the jobs on it stayed over the
+    limit until the next open. Another store's own exception is typed."""
+    import pytest
+
+    from wal.errors import StoreError
+
+    class FailingOnce(MemoryLogs):
+        failed = False
+
+        def drop(self, key: int, lo: int, hi: int) -> None:
+            if not self.failed:
+                self.failed = True
+                raise RuntimeError("the object store said no")
+            super().drop(key, lo, hi)
+
+    logs = FailingOnce()
+    with ShardStore.open(tmp_path, shard=0, shards=1, epoch=1) as store:
+        store.write([created(1)])
+        store.write([batch(10 + i, run(1, T0 + i, "SUCCESS")) for i in range(5)])
+    with ShardStore.open(tmp_path, shard=0, shards=1, epoch=2, log_store=lambda: logs) as store:
+        with pytest.raises(StoreError, match="the object store said no"):
+            store.retain(T0, COUNT)
+        assert store.retain(T0, COUNT).runs_deleted == 2
+        assert ats(store, 1) == [T0 + 2, T0 + 3, T0 + 4]

@@ -166,6 +166,7 @@ class RetentionMachine(RuleBasedStateMachine):
         self.runs: dict[tuple[int, int], str] = {}  # (job, day) -> state
         self.logs: set[tuple[int, int]] = set()
         self.touched: set[int] = set()  # jobs given a run not stored before, since a count pass
+        self.sweep = True  # every job's count is looked at by the first count pass of an open
 
     def teardown(self) -> None:
         self.store.close()
@@ -187,11 +188,16 @@ class RetentionMachine(RuleBasedStateMachine):
 
     def _model_count(self, limit: int) -> None:
         touched, self.touched = self.touched, set()
+        if self.sweep:  # (one page: the sweep's max_entries is far above four jobs)
+            self.sweep = False
+            touched |= {j for j in range(4) if sum(jj == j for jj, _d in self.runs) > limit}
         for j in touched:
             days = sorted(d for jj, d in self.runs if jj == j)
             for d in days[: max(0, len(days) - limit)]:  # the oldest excess, never the newest
                 if self.runs[(j, d)] in FINAL_VALUES:
                     self._model_drop(j, d)
+            if sum(jj == j for jj, _d in self.runs) > limit:
+                self.touched.add(j)  # kept over the limit by runs in flight: next pass too
 
     def _model_drop(self, j: int, d: int) -> None:
         del self.runs[(j, d)]
@@ -244,7 +250,8 @@ class RetentionMachine(RuleBasedStateMachine):
         self.store.close()
         self.epoch += 1
         self.store = open_store(self.dir, self.epoch)
-        self.touched = set()  # which jobs got new runs is the running store's memory only
+        self.touched = set()  # which jobs got new runs is the running store's memory only...
+        self.sweep = True  # ...so every job's count is swept again once
 
     # -------------------------------------------------------------- what must hold
 
