@@ -567,3 +567,18 @@ def test_a_run_killed_while_it_waits_for_a_slot(tmp_path: Path, delivery: str) -
         assert not ran.exists() and not agent.waiting
 
     with_scripted_node(body, slots=1, kill_grace_s=1.0)
+
+
+def test_the_nodes_timeout_waits_for_the_workers_stop_sequence() -> None:
+    """Found by review: the node's grace was the worker's kill grace itself, so for a task
+    ignoring SIGTERM the node recorded TIMED_OUT a moment before the worker's report (with
+    the exit code) could arrive. The node's grace must leave the worker's whole stop sequence
+    and a margin for its report."""
+    import inspect
+
+    from cluster.runner import run_task
+    from engine.shard import EngineConfig
+
+    kill_grace_ms = 1000 * inspect.signature(WorkerAgent).parameters["kill_grace_s"].default
+    runner_grace_ms = 1000 * inspect.signature(run_task).parameters["kill_grace_s"].default
+    assert EngineConfig().timeout_grace_ms >= max(kill_grace_ms, runner_grace_ms) + 2_000
