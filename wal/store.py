@@ -815,21 +815,17 @@ class ShardStore:
 
     def _logs_usable(self) -> None:
         """The run logs' guard: refused, as reads and writes are, once the store failed."""
-        if self._db is None:
-            raise StoreClosed("the shard store is closed", path=self.path)
-        if self._failed is not None:
-            raise type(self._failed)(
-                f"the store failed earlier and refuses run logs until reopened: "
-                f"{self._failed.message}",
-                path=self.path,
-            )
+        self._check_usable("run logs")
 
     def _check_writable(self) -> None:
+        self._check_usable("writes")
+
+    def _check_usable(self, what: str) -> None:
         if self._db is None:
             raise StoreClosed("the shard store is closed", path=self.path)
         if self._failed is not None:
             raise type(self._failed)(
-                f"the store failed earlier and refuses writes until reopened: "
+                f"the store failed earlier and refuses {what} until reopened: "
                 f"{self._failed.message}",
                 path=self.path,
             )

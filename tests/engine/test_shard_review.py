@@ -544,6 +544,19 @@ def test_the_node_side_timeout_survives_restarts_and_reattaches(via_snapshot: bo
     assert node.kills[0].reason == "timed out"  # (then "superseded", for later hellos)
 
 
+def started_with_timeout(node: Node, job_id: str) -> tuple[str, int]:
+    """An at-most-once run of ``job_id`` (timeout 2 s, retry:2) started on w1 (instance i1)."""
+    node.do(WorkerHello("w1", ("default",), 4, instance="i1"))
+    once(node, job_id, timeout="2s", on_timeout="retry:2", delivery="at_most_once")
+    node.advance(1000)
+    (t,) = node.tickets()
+    node.do(ReportStarted("w1", t.run_id, t.token))
+    return t.run_id, t.token
+
+
+AFTER_RESTART = cfg(worker_lease_ms=10_000, reattach_grace_ms=20_000, timeout_grace_ms=1000)
+
+
 @pytest.mark.parametrize("same_call", [False, True])
 def test_a_stop_confirmed_after_a_restart_applies_the_timeout_handler(same_call: bool) -> None:
     """Found by review: an at-most-once run timed out, its worker was asked to stop it and did,
@@ -551,20 +564,16 @@ def test_a_stop_confirmed_after_a_restart_applies_the_timeout_handler(same_call:
     report again can land in one engine call; the stop (not recorded) was asked again only by
     a timer at the next call, so the report read as a plain "killed" failure: no retry, no
     TIMED_OUT. The re-attach asks for the stop at once now."""
-    node = Node(config=cfg(worker_lease_ms=10_000, reattach_grace_ms=20_000, timeout_grace_ms=1000))
-    node.do(WorkerHello("w1", ("default",), 4, instance="i1"))
-    once(node, "t", timeout="2s", on_timeout="retry:2", delivery="at_most_once")
-    node.advance(1000)
-    (t,) = node.tickets()
-    node.do(ReportStarted("w1", t.run_id, t.token))
-    held = ((t.run_id, t.token),)
+    node = Node(config=AFTER_RESTART)
+    rid, token = started_with_timeout(node, "t")
+    held = ((rid, token),)
     for _ in range(4):
         node.advance(1000)
         node.do(Heartbeat("w1", held))
     assert [k.reason for k in node.kills] == ["timed out"]
     node.crash_and_recover(downtime_ms=500)  # the "killed" report was never durable
     hello = WorkerHello("w1", ("default",), 4, held, instance="i1")
-    report = ReportFinished("w1", t.run_id, t.token, "killed", -15)
+    report = ReportFinished("w1", rid, token, "killed", -15)
     if same_call:
         node.absorb(node.engine.handle_many([hello, report], node.wall, node.mono))
     else:
@@ -572,22 +581,18 @@ def test_a_stop_confirmed_after_a_restart_applies_the_timeout_handler(same_call:
         node.advance(1)
         node.do(report)
     node.flush()
-    assert node.engine.run_state(t.run_id) == "PENDING"  # its first retry, at its backoff
+    assert node.engine.run_state(rid) == "PENDING"  # its first retry, at its backoff
     assert [r.get("why") for r in node.runs().values()] == ["timed out; retry 1"]
 
 
 def test_a_success_reported_with_the_hello_after_a_lapsed_timeout_counts() -> None:
     """The stop asked at a re-attach decides nothing: a success the worker reports in the same
     call (the task ended before the kill reached it) is the run's outcome."""
-    node = Node(config=cfg(worker_lease_ms=10_000, reattach_grace_ms=20_000, timeout_grace_ms=1000))
-    node.do(WorkerHello("w1", ("default",), 4, instance="i1"))
-    once(node, "s", timeout="2s", on_timeout="retry:2", delivery="at_most_once")
-    node.advance(1000)
-    (t,) = node.tickets()
-    node.do(ReportStarted("w1", t.run_id, t.token))
+    node = Node(config=AFTER_RESTART)
+    rid, token = started_with_timeout(node, "s")
     node.crash_and_recover(downtime_ms=4000)  # the timeout lapsed while the node was down
-    hello = WorkerHello("w1", ("default",), 4, ((t.run_id, t.token),), instance="i1")
-    report = ReportFinished("w1", t.run_id, t.token, "success", 0)
+    hello = WorkerHello("w1", ("default",), 4, ((rid, token),), instance="i1")
+    report = ReportFinished("w1", rid, token, "success", 0)
     node.absorb(node.engine.handle_many([hello, report], node.wall, node.mono))
     node.flush()
     assert [k.reason for k in node.kills] == ["timed out"]  # asked, but it had ended
