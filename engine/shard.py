@@ -303,6 +303,12 @@ class _Profile:
         )
 
 
+def _asks_stop(policy: Policy) -> bool:
+    """Whether a node-side timeout under ``policy`` asks a live worker to stop the task and
+    waits for its confirmation (at-most-once, not "mark": see ShardEngine._node_timeout)."""
+    return policy.delivery == "at_most_once" and policy.on_timeout != "mark"
+
+
 def _spec_missing(key: int, version: int, found: tuple[Any, ...] | None) -> EngineStateError:
     """The error of a spec read (``found``: what the directory gave) that neither memory nor
     the directory can answer at ``version``."""
@@ -2056,7 +2062,7 @@ class ShardEngine:
         if run.stopping:
             # Timed out while its worker was away: ask again, wait for the confirmation.
             self._out.append(Kill(run.worker, self._run_id(run), run.token, "timed out"))
-        elif self._stop_lapsed(run):
+        elif _asks_stop(run.policy) and self._timeout_left(run) == 0:
             # At-most-once, past its deadline already: the node was down when it lapsed, and
             # a stop asked before the crash is not recorded. Asked now, not by a timer at the
             # next call: the worker's report of that kill may follow this hello in the same
@@ -2066,20 +2072,6 @@ class ShardEngine:
             self._node_timeout(run)
             return
         self._arm_timeout(run)
-
-    def _stop_lapsed(self, run: _Run) -> bool:
-        """Whether ``run``'s node-side timeout, the grace included, is past, and is one that
-        asks its worker to stop the task (at-most-once, not "mark")."""
-        policy = run.policy
-        timeout = policy.timeout_ms
-        if (
-            timeout is None
-            or run.clock_from is None
-            or policy.delivery != "at_most_once"
-            or policy.on_timeout == "mark"
-        ):
-            return False
-        return run.clock_from + timeout + self.config.timeout_grace_ms <= self._wall
 
     def _pull(self, cmd: Pull) -> None:
         worker = self._workers.get(cmd.worker_id)
@@ -2170,12 +2162,7 @@ class ShardEngine:
         then the grace lapse, is it TIMED_OUT without a retry (DESIGN.md: at-most-once retries
         follow a confirmed final report only). Otherwise the timeout is decided now.
         """
-        policy = run.policy
-        if (
-            policy.delivery == "at_most_once"
-            and policy.on_timeout != "mark"
-            and run.worker is not None
-        ):
+        if run.worker is not None and _asks_stop(run.policy):
             run.stopping = True
             # Nothing is decided yet, so the Kill may leave at once; a crash before the
             # report re-attaches the run with its timeout's clock (clock_from), past already:
@@ -2185,21 +2172,27 @@ class ShardEngine:
             return
         self._timed_out(run, confirmed=False)
 
+    def _timeout_left(self, run: _Run) -> int | None:
+        """Wall ms until ``run``'s node-side timeout (0: past), or None without a timeout."""
+        timeout = run.policy.timeout_ms
+        if timeout is None:
+            return None
+        # The grace lets the worker's own stop act first; "mark" stops nothing, so the node
+        # records TIMED_OUT at the timeout itself. From when the attempt's clock started (a
+        # re-attach resumes it).
+        grace = 0 if run.policy.on_timeout == "mark" else self.config.timeout_grace_ms
+        started = self._wall if run.clock_from is None else run.clock_from
+        return max(0, started + timeout + grace - self._wall)
+
     def _arm_timeout(self, run: _Run) -> None:
         if run.stopping:
             # Past its timeout already: what is left is waiting for the stop's confirmation.
             self._set_run_timer(run, "stop", self._mono + self.config.reattach_grace_ms)
             return
-        timeout = run.policy.timeout_ms
-        if timeout is not None:
-            # The grace lets the worker's own stop act first; "mark" stops nothing, so the
-            # node records TIMED_OUT at the timeout itself.
-            grace = 0 if run.policy.on_timeout == "mark" else self.config.timeout_grace_ms
-            # From when the attempt's clock started (a re-attach resumes it): in wall time,
-            # turned into the monotonic clock the timers run on; a deadline already past
-            # fires at once.
-            started = self._wall if run.clock_from is None else run.clock_from
-            left = max(0, started + timeout + grace - self._wall)
+        left = self._timeout_left(run)
+        if left is not None:
+            # (wall time turned into the monotonic clock the timers run on; a deadline already
+            # past fires at once)
             self._set_run_timer(run, "timeout", self._mono + left)
 
     # =============================================================== dispatch

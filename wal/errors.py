@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from engine.errors import StaleEpoch as EngineStaleEpoch
+from wal import codec
 
 
 class StoreError(Exception):
@@ -171,11 +172,17 @@ def decoded(raw: bytes, *, path: str, what: str) -> Any:
     """The msgpack value of a stored ``raw`` (``what``: which value, for the message); one
     that cannot be decoded is :class:`Corrupt`, not the codec's own exception (which the
     drivers would take for a bug of theirs, not the disk's)."""
-    from wal import codec
-
     try:
         return codec.unpack(raw)
     except Exception as exc:
         raise Corrupt(
             f"{what} cannot be decoded ({type(exc).__name__}: {exc})", path=path
         ) from None
+
+
+def check_i64(**values: int | None) -> None:
+    """Keys and times that fit the store's signed 64-bit keys (None: not given), or
+    :class:`StoreUsageError` (not the key codec's ``struct.error``)."""
+    for name, value in values.items():
+        if value is not None and not codec.I64_MIN <= value <= codec.I64_MAX:
+            raise StoreUsageError(f"{name} {value} is outside the signed 64-bit range")

@@ -22,7 +22,7 @@ from typing import Any, Final, Protocol
 from rocksdict import Rdict, ReadOptions, WriteBatch, WriteOptions
 
 from wal import codec
-from wal.errors import StoreUsageError, decoded, translate
+from wal.errors import StoreUsageError, check_i64, decoded, translate
 
 #: Stream names on the wire, and their one-byte codes in a stored chunk.
 STREAMS: Final = ("stdout", "stderr")
@@ -115,8 +115,7 @@ _MAX_TRACKED_ATTEMPTS: Final = 16
 
 
 def _prefix(key: int, at: int) -> bytes:
-    if not (codec.I64_MIN <= key <= codec.I64_MAX and codec.I64_MIN <= at <= codec.I64_MAX):
-        raise StoreUsageError(f"run ({key}, {at}) is outside the signed 64-bit range")
+    check_i64(key=key, at=at)
     return codec.i64(key) + codec.i64(at)
 
 

@@ -42,6 +42,7 @@ directory's only writer), and a run scheduled after the newest run its job ever 
 
 from __future__ import annotations
 
+import functools
 import logging
 import operator
 import os
@@ -87,6 +88,7 @@ from wal.errors import (
     StoreError,
     StoreFailure,
     StoreUsageError,
+    check_i64,
     decoded,
     translate,
 )
@@ -309,7 +311,8 @@ class ShardStore:
         self._touched: set[int] = set()  # jobs given a new run since the last retain()
         #: a foreign log store's drops of the retention write being made (see _drop_logs)
         self._log_drops: list[tuple[int, int, int]] = []
-        self._local_logs = True  # the logs are this store's own RocksLogStore (open's default)
+        #: ``logs`` when it is this store's own RocksLogStore (open's default), else None
+        self._own_logs: RocksLogStore | None = None
         #: where the count pass's sweep of every job's run count goes on, a page a call, once
         #: after each open (None: done): ``_touched`` lives in memory, so a job over the limit
         #: before a restart (or a limit lowered at one) is found by this sweep
@@ -384,18 +387,17 @@ class ShardStore:
                 if raw is None
                 else list(decoded(raw, path=where, what="the store's counts"))
             )
-            self.logs = (
-                RocksLogStore(
+            if log_store is None:
+                self.logs = self._own_logs = RocksLogStore(
                     self._db,
                     self._cf[_LOGS],
                     where,
                     log_limits or LogLimits(),
-                    guard=self._logs_usable,
+                    # refused, as reads and writes are, once the store failed
+                    guard=functools.partial(self._check_usable, "run logs"),
                 )
-                if log_store is None
-                else log_store()
-            )
-            self._local_logs = log_store is None
+            else:
+                self.logs = log_store()
         except BaseException as exc:
             # The traceback's frames hold column families in their locals, and rocksdict
             # keeps the database (and its LOCK) open while any is referenced: a caller that
@@ -813,10 +815,6 @@ class ShardStore:
             raise translate(exc, path=self.path, doing="reading before a write") from exc
         return values
 
-    def _logs_usable(self) -> None:
-        """The run logs' guard: refused, as reads and writes are, once the store failed."""
-        self._check_usable("run logs")
-
     def _check_writable(self) -> None:
         self._check_usable("writes")
 
@@ -912,7 +910,7 @@ class ShardStore:
         least once: a token), not merely fired. Retention keeps each job's newest run (see
         :meth:`retain`), so a one-shot's run stays; an older run of a job may have been
         deleted. One get and a decode."""
-        _check_i64(key=key, at=at)
+        check_i64(key=key, at=at)
         raw = self._get(_RUNS, codec.i64(key) + codec.i64(at))
         return raw is not None and _went_out(self._decode(raw[1:]))
 
@@ -948,14 +946,14 @@ class ShardStore:
 
     def run(self, key: int, at: int) -> Record | None:
         """The newest record of run ``(key, at)``, or None. One get."""
-        _check_i64(key=key, at=at)
+        check_i64(key=key, at=at)
         raw = self._get(_RUNS, codec.i64(key) + codec.i64(at))
         return None if raw is None else dict(self._decode(raw[1:]))
 
     def last_runs(self, key: int, n: int = 20, *, before: int | None = None) -> list[Record]:
         """The newest ``n`` runs of job ``key`` scheduled before ``before`` (all when None),
         newest first. One reverse range scan of n entries."""
-        _check_i64(key=key, before=before)
+        check_i64(key=key, before=before)
         hi = _bound(key, codec.I64_MAX + 1 if before is None else before)
         lo = codec.i64(key) + codec.LOW8
         return [self._decode(v[1:]) for _k, v in self._scan(_RUNS, lo, hi, limit=n, reverse=True)]
@@ -964,7 +962,7 @@ class ShardStore:
         """The newest ``n`` history entries (``skip`` records by their first time, ``note``
         records by their run's time) of job ``key`` before ``before``, newest first. One
         reverse range scan."""
-        _check_i64(key=key, before=before)
+        check_i64(key=key, before=before)
         hi = _bound(key, codec.I64_MAX + 1 if before is None else before)
         lo = codec.i64(key) + codec.LOW8
         return [self._decode(v) for _k, v in self._scan(_HISTORY, lo, hi, limit=n, reverse=True)]
@@ -1283,23 +1281,22 @@ class ShardStore:
                 # else keep the newest run time: deleting runs does not make older times new
                 wb.put(codec.i64(job), _job_runs_value(n, newest, flag), self._h[_NRUNS])
         drops, self._log_drops = self._log_drops, []
-        logs = self.logs
-        if not self._local_logs:
-            for job, lo, hi in drops:  # first: never logs left without their runs
-                try:
-                    logs.drop(job, lo, hi)
-                except StoreError:
-                    raise
-                except Exception as exc:  # typed, as every failure of a pass
-                    raise translate(exc, path=self.path, doing="dropping run logs") from exc
+        own = self._own_logs
+        for job, lo, hi in drops:  # (another store's) first: never logs without their runs
+            try:
+                self.logs.drop(job, lo, hi)
+            except StoreError:
+                raise
+            except Exception as exc:  # typed, as every failure of a pass
+                raise translate(exc, path=self.path, doing="dropping run logs") from exc
         if len(wb):
-            if isinstance(logs, RocksLogStore) and self._local_logs:
+            if own is not None:
                 # Under the log store's lock too (taken after the store's; an append takes
                 # only it), for the write alone: an append between its read of a run's log
                 # state and its write would otherwise bring a dropped run's logs back (see
                 # RocksLogStore.exclusive). Not for the pass: appends come from the node's
                 # event loop, which must not wait for a scan.
-                with logs.exclusive:
+                with own.exclusive:
                     self._commit(wb, "deleting old run history", sync=False)
             else:
                 self._commit(wb, "deleting old run history", sync=False)
@@ -1400,9 +1397,9 @@ class ShardStore:
     def _drop_logs(self, wb: WriteBatch, job: int, lo: int, hi: int) -> None:
         """The logs of job ``job``'s runs in ``[lo, hi)`` go with the pass's write: in it (the
         local store's, atomically), or just before it (another store's)."""
-        logs = self.logs
-        if isinstance(logs, RocksLogStore) and self._local_logs:
-            logs.drop_into(wb, job, lo, hi)
+        own = self._own_logs
+        if own is not None:
+            own.drop_into(wb, job, lo, hi)
         else:
             self._log_drops.append((job, lo, hi))
 
@@ -1700,14 +1697,6 @@ def _route_pos(
         cls = _POS_IDLE
     puts.append((_POS, pk, _POS_BYTES[cls] + data))
     pos.append((pk, cls))
-
-
-def _check_i64(**values: int | None) -> None:
-    """A query's keys and times fit the store's signed 64-bit keys (None: not given), or
-    :class:`StoreUsageError` (not the key codec's ``struct.error``)."""
-    for name, value in values.items():
-        if value is not None and not codec.I64_MIN <= value <= codec.I64_MAX:
-            raise StoreUsageError(f"{name} {value} is outside the signed 64-bit range")
 
 
 def _bound(key: int, at: int) -> bytes:
