@@ -260,6 +260,29 @@ class RocksLogStore:
             self.drop_into(batch, key, lo, hi)
             self._write(batch, f"dropping the logs of job {key} runs in [{lo}, {hi})")
 
+    def mark_dropped_into(self, batch: WriteBatch, key: int, at: int) -> None:
+        """After :meth:`drop_into` of run ``at`` in ``batch``: leave the run a log state saying
+        that every byte it had was dropped, so that a reader gets one ``cut`` marker of them all
+        instead of an empty log, which reads as a task that printed nothing. For a run whose
+        record stays while its output goes (the newest run of its job, past the age). Call
+        under :attr:`exclusive`: the byte count is read here. A run with no output gets
+        nothing. Appends after it (a ``mark``-ed task still writing) follow the marker as its
+        tail, as after any cut."""
+        prefix = _prefix(key, at)
+        raw = self._get(prefix + codec.u32(0))
+        if raw is None:
+            return
+        state: list[Any] = decoded(raw, path=self._path, what="a run's log state")
+        total = state[_TOTAL]
+        if not total:
+            return
+        # No head; the tail starts at seq 2, one past where the marker stands (seq 1), as it
+        # does after a head; every byte received counts as dropped. A resend's dedupe stays.
+        dropped: list[Any] = [2, total, 0, 0, 0, 2, total]
+        if len(state) > _RECEIVED:
+            dropped.append(state[_RECEIVED])
+        batch.put(prefix + codec.u32(0), codec.pack(dropped), self._handle)
+
     @property
     def exclusive(self) -> threading.Lock:
         """Held by the shard store around a retention write whose batch drops logs: an append

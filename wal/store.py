@@ -311,6 +311,9 @@ class ShardStore:
         self._touched: set[int] = set()  # jobs given a new run since the last retain()
         #: a foreign log store's drops of the retention write being made (see _drop_logs)
         self._log_drops: list[tuple[int, int, int]] = []
+        #: runs the retention write being made keeps while it drops their logs (job, at):
+        #: the local log store leaves each a marker of what went (see _write_retention)
+        self._logs_marked: list[tuple[int, int]] = []
         #: ``logs`` when it is this store's own RocksLogStore (open's default), else None
         self._own_logs: RocksLogStore | None = None
         #: where the count pass's sweep of every job's run count goes on, a page a call, once
@@ -1235,14 +1238,14 @@ class ShardStore:
             unindexed: dict[int, int]
             if policy.max_age_ms is not None:
                 wb, nruns, unindexed = WriteBatch(raw_mode=True), {}, {}
-                self._log_drops = []
+                self._log_drops, self._logs_marked = [], []
                 self._retain_by_age(
                     wb, now_ms - policy.max_age_ms, max_entries, report, nruns, unindexed
                 )
                 self._write_retention(wb, nruns, unindexed)
             if policy.max_runs_per_job is not None:
                 wb, nruns = WriteBatch(raw_mode=True), {}
-                self._log_drops = []
+                self._log_drops, self._logs_marked = [], []
                 touched, self._touched = self._touched, set()
                 count_from = self._count_from
                 try:
@@ -1281,6 +1284,7 @@ class ShardStore:
                 # else keep the newest run time: deleting runs does not make older times new
                 wb.put(codec.i64(job), _job_runs_value(n, newest, flag), self._h[_NRUNS])
         drops, self._log_drops = self._log_drops, []
+        marked, self._logs_marked = self._logs_marked, []
         own = self._own_logs
         for job, lo, hi in drops:  # (another store's) first: never logs without their runs
             try:
@@ -1297,6 +1301,8 @@ class ShardStore:
                 # RocksLogStore.exclusive). Not for the pass: appends come from the node's
                 # event loop, which must not wait for a scan.
                 with own.exclusive:
+                    for job, at in marked:
+                        own.mark_dropped_into(wb, job, at)
                     self._commit(wb, "deleting old run history", sync=False)
             else:
                 self._commit(wb, "deleting old run history", sync=False)
@@ -1418,7 +1424,7 @@ class ShardStore:
         not in a final state, and the job's newest run when it is among those visited. Returns
         (runs deleted, times of the runs kept in flight, time of the newest run kept or None).
         The age pass keeps only the record of a final newest run: its history and logs go
-        (``has_run`` needs the record alone). O(runs visited), plus one seek past them to
+        (``has_run`` needs the record alone), the logs leaving a marker of their bytes. O(runs visited), plus one seek past them to
         learn whether the last is the newest, unless ``newest_ever`` (the newest time the
         job's run count holds, an upper bound of every stored run's) already says so."""
         job_end = _bound(job, codec.I64_MAX + 1)
@@ -1476,6 +1482,8 @@ class ShardStore:
             a, b = _bound(job, at), _bound(job, at + 1)
             wb.delete_range(a, b, self._h[_HISTORY])
             self._drop_logs(wb, job, at, at + 1)
+            if self._own_logs is not None:
+                self._logs_marked.append((job, at))
         report.runs_deleted += deleted
         if deleted:
             report.jobs_trimmed += 1

@@ -25,6 +25,7 @@ from engine.shard import ShardEngine
 from tests.engine.harness import Node
 from tests.wal.records import T0, batch, created, job, note, pos, run
 from wal import codec
+from wal.logs import CUT
 from wal.store import _BYTIME, _NRUNS, Retention, ShardStore
 
 DAY = 86_400_000
@@ -53,13 +54,30 @@ def test_a_one_shot_run_that_went_out_is_still_known_after_age_retention(tmp_pat
         assert store.has_run(1, T0)  # before the fix: False, and the time was owed again
         assert ats(store, 1) == [T0] and store.run_count(1) == 1
         # Only its record stays: its logs and notes are past the age as any run's (found by
-        # review: a megabyte of output per job, kept for good).
-        assert store.logs.read(1, T0).chunks == []
+        # review: a megabyte of output per job, kept for good). A reader of its logs gets one
+        # cut marker of every byte it had, not an empty log that reads as a silent task.
+        page = store.logs.read(1, T0)
+        assert [(c.stream, c.dropped) for c in page.chunks] == [(CUT, 17)] and page.at_end
+        assert store.logs.read(1, T0, cursor=page.cursor).chunks == []
         assert store.history(1) == []
-        # ... and it stays, pass after pass
+        # ... and it stays, pass after pass, its marker too
         for days in (41, 400, 4000):
             store.retain(T0 + days * DAY, Retention(max_runs_per_job=1))
             assert store.has_run(1, T0)
+            assert [(c.stream, c.dropped) for c in store.logs.read(1, T0).chunks] == [(CUT, 17)]
+        # Output that comes after (an on_timeout=mark task still writing) follows the marker,
+        # and a follower at the marker's cursor gets it without the marker again.
+        store.logs.append(1, T0, "stderr", b"late\n")
+        assert [(c.stream, c.data, c.dropped) for c in store.logs.read(1, T0).chunks] == [
+            (CUT, b"", 17),
+            ("stderr", b"late\n", 0),
+        ]
+        assert [c.data for c in store.logs.read(1, T0, cursor=page.cursor).chunks] == [b"late\n"]
+        # A run that printed nothing gets no marker.
+        store.write([created(2)])
+        store.write([batch(3, run(2, T0, "SUCCESS", tok=8))])
+        store.retain(T0 + 40 * DAY, Retention())
+        assert store.has_run(2, T0) and store.logs.read(2, T0).chunks == []
 
 
 class _StoreDirectory:
@@ -164,7 +182,9 @@ class RetentionMachine(RuleBasedStateMachine):
         self.store.write([Persist(0, 1, tuple(r for k in range(4) for r in (job(k), pos(k))))])
         self.batch_id = 0
         self.runs: dict[tuple[int, int], str] = {}  # (job, day) -> state
-        self.logs: set[tuple[int, int]] = set()
+        # (job, day) -> the chunks a read gives: ("out", bytes) per append, or first a
+        # ("cut", bytes) where an age pass dropped the output of a newest run it kept
+        self.logs: dict[tuple[int, int], list[tuple[str, int]]] = {}
         self.touched: set[int] = set()  # jobs given a run not stored before, since a count pass
         self.sweep = True  # every job's count is looked at by the first count pass of an open
 
@@ -183,8 +203,9 @@ class RetentionMachine(RuleBasedStateMachine):
         for (j, d), state in list(self.runs.items()):
             if d < cutoff and state in FINAL_VALUES and d != newest[j]:
                 self._model_drop(j, d)
-            elif d < cutoff and state in FINAL_VALUES:
-                self.logs.discard((j, d))  # the newest keeps its record only
+            elif d < cutoff and state in FINAL_VALUES and (j, d) in self.logs:
+                # the newest keeps its record; its output goes, counted by one marker
+                self.logs[(j, d)] = [("cut", sum(n for _kind, n in self.logs[(j, d)]))]
 
     def _model_count(self, limit: int) -> None:
         touched, self.touched = self.touched, set()
@@ -201,7 +222,7 @@ class RetentionMachine(RuleBasedStateMachine):
 
     def _model_drop(self, j: int, d: int) -> None:
         del self.runs[(j, d)]
-        self.logs.discard((j, d))
+        self.logs.pop((j, d), None)
 
     # -------------------------------------------------------------- rules
 
@@ -221,7 +242,7 @@ class RetentionMachine(RuleBasedStateMachine):
         if with_logs:
             j, d, _s = runs[0]
             self.store.logs.append(j, T0 + d * DAY, "stdout", b"out")
-            self.logs.add((j, d))
+            self.logs.setdefault((j, d), []).append(("out", 3))
 
     @rule(now=DAYS, age=st.integers(0, 12), max_entries=st.integers(1, 4))
     def retain_by_age(self, now: int, age: int, max_entries: int) -> None:
@@ -273,8 +294,12 @@ class RetentionMachine(RuleBasedStateMachine):
     def logs_go_with_their_runs(self) -> None:
         for j in range(4):
             for d in range(25):
-                has = bool(self.store.logs.read(j, T0 + d * DAY).chunks)
-                assert has == ((j, d) in self.logs)
+                chunks = self.store.logs.read(j, T0 + d * DAY, limit=1000).chunks
+                read = [
+                    (c.stream, c.dropped) if c.stream == CUT else ("out", len(c.data))
+                    for c in chunks
+                ]
+                assert read == self.logs.get((j, d), [])
 
     @invariant()
     def the_time_index_finds_every_run_but_a_newest_it_marked(self) -> None:
