@@ -1842,21 +1842,29 @@ class Node:
         if len(instance) > 200:
             raise BadArgs("instance: at most 200 characters", None, "instance")
         seen = _seen(args.get("seen", []), self.shards)
+        # Every argument checked before anything changes: a refused hello must not take the
+        # worker id (and its dispatches) from the connection that has it (found by review).
+        by_shard = self._by_shard(held)
         old = self.workers.get(worker_id)
         if old is not None and old.conn is not conn:
             old.conn.worker = None  # the worker reconnected: the old connection is not it
         session = WorkerSession(worker_id, tiers, slots, conn, instance)
         conn.worker = session
         self.workers[worker_id] = session
-        for host, mine in zip(self.hosts, self._by_shard(held), strict=True):
+        for host, mine in zip(self.hosts, by_shard, strict=True):
             host.tell(WorkerHello(worker_id, tiers, slots, mine, instance, seen[host.index]))
         return {"lease_ms": self.config.worker_lease_ms, "shards": self.shards}
 
     def _by_shard(self, held: tuple[tuple[str, int], ...]) -> list[tuple[tuple[str, int], ...]]:
-        """The runs a worker holds, split by the shard each belongs to (index = shard)."""
+        """The runs a worker holds, split by the shard each belongs to (index = shard).
+        Raises :class:`BadArgs` (field ``held[i]``) for an entry whose run id is not one."""
         split: list[list[tuple[str, int]]] = [[] for _ in self.hosts]
-        for rid, token in held:
-            split[shard_of_run(rid, self.shards)].append((rid, token))
+        for i, (rid, token) in enumerate(held):
+            try:
+                shard = shard_of_run(rid, self.shards)
+            except EngineError as exc:
+                raise BadArgs(f"held[{i}]: {exc}", None, f"held[{i}]") from exc
+            split[shard].append((rid, token))
         return [tuple(runs) for runs in split]
 
     def _heartbeat(self, conn: Connection, args: dict[str, Any]) -> Any:

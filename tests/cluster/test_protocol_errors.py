@@ -277,6 +277,29 @@ def test_worker_ops_need_a_hello_and_bad_reports_are_refused(tmp_path: Path) -> 
     run_with_node(tmp_path, body)
 
 
+def test_a_refused_hello_leaves_the_worker_where_it_was(tmp_path: Path) -> None:
+    """A hello whose ``held`` names something that is not a run id is ``bad_args`` and changes
+    nothing: before, it was refused after it had already made its connection the worker, and
+    the real worker's connection got ``not_a_worker`` (found by review)."""
+
+    async def body(port: int) -> None:
+        real, other = await Raw.open(port), await Raw.open(port)
+        hello = {"worker_id": "w1", "tiers": ["t1"], "slots": 0}
+        assert (await real.call("worker.hello", hello))["ok"]
+        for i, held in enumerate(([["garbage", 1]], [["ok@1", 1], ["bad", 1]])):
+            reply = await other.call("worker.hello", {**hello, "held": held})
+            assert error_of(reply) == ("bad_args", f"held[{i}]")
+            reply = await other.call("worker.heartbeat", {})
+            assert error_of(reply) == ("not_a_worker", None)
+            assert (await real.call("worker.heartbeat", {}))["ok"]
+        reply = await real.call("worker.heartbeat", {"held": [["j@1", 1], ["j@", 1]]})
+        assert error_of(reply) == ("bad_args", "held[1]")
+        await real.aclose()
+        await other.aclose()
+
+    run_with_node(tmp_path, body)
+
+
 def test_a_batch_of_final_reports_is_checked_whole_before_any_is_taken(tmp_path: Path) -> None:
     async def body(port: int) -> None:
         raw = await Raw.open(port)
