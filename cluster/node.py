@@ -49,7 +49,9 @@ from cluster.protocol import (
     BadArgs,
     Request,
     check_report,
+    clipped,
     error,
+    error_body,
     ok,
     parse_request,
     push,
@@ -752,6 +754,18 @@ class Connection:
             # Never leave a request unanswered: say that its reply could not be encoded.
             log.error("cannot encode a reply: %s", exc)
             frame = encode(error(message.get("id"), "internal", "reply could not be encoded"))
+        if len(frame) - 4 > DEFAULT_MAX_FRAME:
+            # A peer's decoder would drop it and its caller wait out a timeout: say so instead.
+            # (Every reply is bounded by its request's limits; this is the net under a bug.)
+            log.error("a reply of %d bytes is over the frame limit", len(frame) - 4)
+            frame = encode(
+                error(
+                    message.get("id"),
+                    "internal",
+                    f"the reply ({len(frame) - 4:,} bytes) is over the frame limit "
+                    f"({DEFAULT_MAX_FRAME:,}): ask for less",
+                )
+            )
         outbox = self.outbox
         queued = outbox.queued + len(frame)
         if queued > self.hard_cap:
@@ -1508,7 +1522,9 @@ class Node:
     def refused(self, effect: Refused) -> None:
         session = self.workers.get(effect.worker_id)
         if session is not None:
-            session.conn.send(push("refused", code=effect.error.code, message=str(effect.error)))
+            session.conn.send(
+                push("refused", code=effect.error.code, message=clipped(str(effect.error)))
+            )
 
     # ------------------------------------------------------------------ requests
 
@@ -1568,7 +1584,7 @@ class Node:
             field = exc.field if isinstance(exc, EngineError | BadArgs) else None
             message = exc.message if isinstance(exc, BadArgs) else str(exc)
             code = exc.code if isinstance(exc, EngineError | BadArgs | StoreError) else "internal"
-            return {"ok": False, "error": _error_dict(code, message, field)}
+            return {"ok": False, "error": error_body(code, message, field)}
 
         def answer_for(indices: list[int]) -> ReplyCallback:
             def answer(outcome: Reply | StoreError) -> None:
@@ -2070,10 +2086,6 @@ def _unwrap(reply: Reply) -> dict[str, Any]:
         raise reply.error
     assert reply.result is not None
     return reply.result
-
-
-def _error_dict(code: str, message: str, field: str | None) -> dict[str, Any]:
-    return {"code": code, "message": message, "field": field}
 
 
 def _job_result(described: dict[str, Any]) -> dict[str, Any]:

@@ -212,12 +212,33 @@ def ok(request_id: int, result: Any) -> Message:
     return {"id": request_id, "ok": True, "result": result}
 
 
-def error(request_id: int | None, code: str, message: str, field: str | None = None) -> Message:
+#: The most characters of an error's ``message`` and ``field`` a reply carries. Both may echo
+#: what the peer sent (an unknown key, a bad value): whatever a request held, its error must
+#: stay far below the frame limit, or the peer's decoder drops the reply and its caller waits
+#: out a timeout instead of reading the error (found by review: an unknown schedule key of 3 MB
+#: came back three times over, 9 MB, in one error).
+MAX_ERROR_MESSAGE: Final = 1000
+MAX_ERROR_FIELD: Final = 200
+
+
+def clipped(text: str, most: int = MAX_ERROR_MESSAGE) -> str:
+    """``text``, cut to ``most`` characters and saying how many more there were."""
+    if len(text) <= most:
+        return text
+    return f"{text[:most]}... ({len(text) - most:,} more characters)"
+
+
+def error_body(code: str, message: str, field: str | None = None) -> dict[str, Any]:
+    """An error's ``{"code", "message", "field"}``, message and field cut to their bounds."""
     return {
-        "id": request_id,
-        "ok": False,
-        "error": {"code": code, "message": message, "field": field},
+        "code": code,
+        "message": clipped(message, MAX_ERROR_MESSAGE),
+        "field": None if field is None else clipped(field, MAX_ERROR_FIELD),
     }
+
+
+def error(request_id: int | None, code: str, message: str, field: str | None = None) -> Message:
+    return {"id": request_id, "ok": False, "error": error_body(code, message, field)}
 
 
 def push(kind: str, **fields: Any) -> Message:

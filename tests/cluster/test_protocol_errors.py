@@ -22,7 +22,7 @@ import trio
 from cluster.client import Client, RemoteError
 from cluster.codec import DEFAULT_MAX_FRAME, FrameDecoder, Message, ProtocolError, encode
 from cluster.node import MAX_IN_FLIGHT, Node
-from cluster.protocol import MAX_BATCH, MAX_LIMIT
+from cluster.protocol import MAX_BATCH, MAX_ERROR_FIELD, MAX_ERROR_MESSAGE, MAX_LIMIT
 from engine.jobs import MAX_TASK_BYTES
 
 HOST = "127.0.0.1"
@@ -424,6 +424,43 @@ BAD_SPECS: list[tuple[dict[str, Any], str, str | None]] = [
     ({"schedule": {"every": "0s"}}, "invalid_schedule", "schedule.every"),
     ({"schedule": {"at": "2030-01-01T00:00:00"}}, "invalid_schedule", "schedule.at"),
 ]
+
+
+def test_an_error_echoing_a_huge_input_stays_small(tmp_path: Path) -> None:
+    """An error that names what the request held (an unknown key, a bad zone) carries at most
+    ``MAX_ERROR_MESSAGE`` characters of message and ``MAX_ERROR_FIELD`` of field: before, an
+    unknown schedule key of 3 MB came back three times over in one 9 MB reply, which the
+    client's decoder dropped, and the caller waited out its timeout (found by review)."""
+    huge = "k" * 3_000_000
+
+    async def body(port: int) -> None:
+        raw = await Raw.open(port)
+        base: dict[str, Any] = {"id": "j-big", "task": {"shell": "true"}}
+        for spec, code in (
+            ({**base, "schedule": {"every": "1h", huge: 1}}, "invalid_schedule"),
+            ({**base, "schedule": {"cron": "0 * * * *", "tz": huge}}, "invalid_schedule"),
+            ({**base, "schedule": EVERY, huge: 1}, "invalid_job"),
+        ):
+            reply = await raw.call("job.create", {"spec": spec})
+            err = reply["error"]
+            assert err["code"] == code
+            assert len(err["message"]) <= MAX_ERROR_MESSAGE + 40, len(err["message"])
+            assert err["field"] is None or len(err["field"]) <= MAX_ERROR_FIELD + 40
+            assert "more characters" in err["message"]
+        # ... and through the client library: the typed error, not a timeout.
+        async with Client.connect(HOST, port, timeout_s=10, reconnect=False) as client:
+            with pytest.raises(RemoteError) as caught:
+                await client.create({**base, "schedule": {"every": "1h", huge: 1}})
+            assert caught.value.code == "invalid_schedule"
+            key = "k" * 2000
+            many = [
+                {**base, "id": f"j-{i}", "schedule": {"every": "1h", key: 1}} for i in range(1000)
+            ]
+            results = (await client.request("job.create_many", {"specs": many}))["results"]
+            assert all(r["error"]["code"] == "invalid_schedule" for r in results)
+        await raw.aclose()
+
+    run_with_node(tmp_path, body)
 
 
 def test_a_bad_job_spec_is_a_typed_error_naming_the_field(tmp_path: Path) -> None:
