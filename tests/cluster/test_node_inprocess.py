@@ -15,7 +15,7 @@ from cluster.client import Client, RemoteError
 from cluster.node import Node
 from cluster.worker import WorkerAgent
 from engine.effects import RunTicket
-from engine.schedules import format_utc
+from engine.schedules import format_utc, parse_duration
 from engine.shard import EngineConfig
 from wal.store import Retention
 
@@ -593,6 +593,43 @@ def test_concurrent_partial_updates_of_one_job_all_count(tmp_path: Path) -> None
         with pytest.raises(RemoteError) as caught:
             await client.update("multi", {"tier": "x"}, if_version=0)
         assert caught.value.code == "bad_args"
+
+    run_with_node(tmp_path, body)
+
+
+def test_job_get_answers_a_spec_of_the_version_it_names(tmp_path: Path) -> None:
+    """Under a stream of updates of one job, every ``job.get`` answers the spec of the version
+    it names: before, the version came from the engine and the spec from the store, read
+    after, and an update made durable in between paired them wrongly (found by review)."""
+
+    async def body(client: Client, port: int) -> None:
+        await client.create({"id": "g", "schedule": {"every": "1h"}, "task": {"payload": 1}})
+        made: dict[int, int | None] = {1: None}  # version -> the timeout its update set, ms
+        seen: list[tuple[int, int | None]] = []
+        updates_left = [300]
+
+        async def updater() -> None:
+            async with Client.connect("127.0.0.1", port) as own:
+                while updates_left[0] > 0:
+                    updates_left[0] -= 1
+                    timeout = 1_000_000 + updates_left[0] * 1000
+                    change = {"timeout": f"{timeout}ms"}
+                    made[(await own.update("g", change))["version"]] = timeout
+
+        async def getter() -> None:
+            async with Client.connect("127.0.0.1", port) as own:
+                while updates_left[0] > 0:
+                    job = await own.get("g")
+                    timeout = job["spec"]["timeout"]
+                    seen.append((job["version"], timeout and parse_duration(timeout, field="t")))
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(3):
+                nursery.start_soon(updater)
+                nursery.start_soon(getter)
+        assert len(made) == 301 and len(seen) > 100
+        wrong = [(v, t) for v, t in seen if made[v] != t]
+        assert not wrong, f"{len(wrong)} of {len(seen)} gets, e.g. {wrong[:3]}"
 
     run_with_node(tmp_path, body)
 
