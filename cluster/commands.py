@@ -360,7 +360,10 @@ def render_runs(runs: list[dict[str, Any]]) -> None:
 
 
 async def _with_client(args: argparse.Namespace, body: Callable[[Client], Awaitable[int]]) -> int:
-    host, port = parse_address(args.connect)
+    try:
+        host, port = parse_address(args.connect)
+    except ClientError as exc:  # a command line's fault: status 2, as `worker --connect` gives
+        raise UsageError(str(exc)) from None
 
     def waiting(exc: OSError) -> None:  # a node starting up gets the time; a typo a word
         err_console.print(

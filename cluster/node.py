@@ -31,6 +31,7 @@ import json
 import logging
 import math
 import os
+import re
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
@@ -138,6 +139,8 @@ MAX_REMEMBERED_RUNS = 1_000_000
 #: up with ``conflict``, and the wait between tries (a newer version is being made durable)
 UPDATE_MERGE_S = 10.0
 UPDATE_RETRY_S = 0.005
+#: a job.list cursor, as it hands them out: SHARD:KEY in ASCII digits
+_CURSOR: Final = re.compile(r"[0-9]{1,10}:[0-9]{1,19}")
 #: how many times job.get reads a job whose engine description is a version ahead of its
 #: stored spec (updates in flight) before it answers the stored pair with the newer one
 GET_TRIES = 5
@@ -1726,6 +1729,10 @@ class Node:
         shard, after = 0, None
         if "after" in args:
             try:
+                # Only what job.list hands out: int() alone took " 1", "1_0", "+1" and other
+                # scripts' digits (found by review).
+                if _CURSOR.fullmatch(args["after"]) is None:
+                    raise ValueError(args["after"])
                 text_shard, text_key = args["after"].split(":")
                 shard, after = int(text_shard), int(text_key)
                 # a shard of this node and a key the store can page on from (key + 1 fits

@@ -36,14 +36,16 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProc]:
     proc.kill()
 
 
-def tw(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    """``tickwheel ARGS`` (no --connect added)."""
+def tw(
+    *args: str, timeout: float = 60, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``tickwheel ARGS`` (no --connect added), with ``env`` added to the environment."""
     return subprocess.run(
         [sys.executable, "-m", "cluster.cli", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
-        env={**os.environ, "PYTHONIOENCODING": "utf-8"},
+        env={**os.environ, "PYTHONIOENCODING": "utf-8", **(env or {})},
     )
 
 
@@ -401,6 +403,18 @@ def test_addresses_that_are_not_host_port_are_refused(text: str) -> None:
 
     with pytest.raises(ClientError, match="not HOST:PORT"):
         parse_address(text)
+
+
+def test_a_connect_address_that_is_not_host_port_is_a_usage_error_everywhere() -> None:
+    """Status 2 for client commands too, as for `worker --connect` (found by review: 1)."""
+    for argv, env in (
+        (("jobs", "--connect", "h:0"), {}),
+        (("run", "j@1", "--connect", ":7070"), {}),
+        (("jobs",), {"TICKWHEEL_CONNECT": "nonsense"}),
+        (("worker", "--connect", "nonsense"), {}),
+    ):
+        done = tw(*argv, env=env)
+        assert done.returncode == 2 and "not HOST:PORT" in done.stderr, (argv, done.stderr)
 
 
 def test_a_node_on_ipv6_loopback_is_reached_by_its_bracketed_address(tmp_path: Path) -> None:

@@ -218,6 +218,12 @@ BAD_ARGS: list[tuple[str, dict[str, Any], str]] = [
     ("job.preview", {"schedule": EVERY, "count": MAX_LIMIT + 1}, "count"),
     # checked by the op itself
     ("job.list", {"after": "not-a-cursor"}, "after"),
+    # (int() takes these; job.list never hands them out: found by review)
+    ("job.list", {"after": " 1: 2"}, "after"),
+    ("job.list", {"after": "0:1_0"}, "after"),
+    ("job.list", {"after": "+1:+0"}, "after"),
+    ("job.list", {"after": "\u0663:2"}, "after"),
+    ("job.list", {"after": "0:5\n"}, "after"),
     ("job.preview", {}, "schedule"),
     ("worker.hello", {"worker_id": "w", "tiers": [], "slots": 1}, "tiers"),
     ("worker.hello", {"worker_id": "w", "tiers": [7], "slots": 1}, "tiers"),
