@@ -85,7 +85,9 @@ def transition(state: RunState, event: RunEvent) -> RunState:
 
 # ---------------------------------------------------------------------------- run ids
 
-_RUN_ID_RE: Final = re.compile(r"^(?P<job>[A-Za-z0-9._:-]{1,200})@(?P<ms>[0-9]{1,19})$")
+#: (matched whole with fullmatch: ``$`` also matches before a final newline, and
+#: ``"j@1\n"`` was taken for ``j@1``, found by review)
+_RUN_ID_RE: Final = re.compile(r"(?P<job>[A-Za-z0-9._:-]{1,200})@(?P<ms>[0-9]{1,19})")
 
 
 def run_id(job_id: str, scheduled_ms: int) -> str:
@@ -98,7 +100,7 @@ def run_id(job_id: str, scheduled_ms: int) -> str:
 
 def parse_run_id(text: str) -> tuple[str, int]:
     """``(job_id, scheduled_ms)`` of a run id; :class:`EngineUsageError` when malformed."""
-    match = _RUN_ID_RE.match(text) if isinstance(text, str) else None
+    match = _RUN_ID_RE.fullmatch(text) if isinstance(text, str) else None
     if match is None:
         raise EngineUsageError(f"not a run id (JOB_ID@MS): {text!r}", field="run_id")
     ms = int(match["ms"])

@@ -35,3 +35,15 @@ def test_run_ids_past_64_bit_times_are_refused() -> None:
     for text in (f"j@{1 << 63}", "j@9999999999999999999"):
         with pytest.raises(EngineUsageError, match="past 2"):
             parse_run_id(text)
+
+
+@pytest.mark.parametrize(
+    "text", ["j@1\n", "j@1\r", " j@1", "j@1 ", "j@\u0661", "j@1@2", "@1", "j@"]
+)
+def test_a_run_id_is_matched_whole(text: str) -> None:
+    """``$`` matched before a final newline: ``"j@1\\n"`` was taken for ``j@1`` by run.get,
+    run.logs and worker reports (found by review)."""
+    from engine.runs import parse_run_id
+
+    with pytest.raises(EngineUsageError, match="not a run id"):
+        parse_run_id(text)
