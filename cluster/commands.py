@@ -395,9 +395,17 @@ def run_client_command(args: argparse.Namespace) -> int:
         else:
             err_console.print(f"[red]error[/red] {escape(exc.code)}: {escape(exc.message)}")
         return 1
-    except ClientError as exc:
+    except UsageError as exc:
         err_console.print(f"[red]error[/red] {escape(str(exc))}")
-        return 2 if isinstance(exc, UsageError) else 1
+        return 2
+    except ClientError as exc:
+        # The client's own errors (timeout, connection_lost, not_sendable) as the node's are:
+        # with their code, and as JSON under --json (found by review: plain text, no code).
+        if args.json:
+            print(json.dumps({"error": {"code": exc.code, "message": str(exc), "field": None}}))
+        else:
+            err_console.print(f"[red]error[/red] {escape(exc.code)}: {escape(str(exc))}")
+        return 1
 
 
 async def cmd_submit(client: Client, args: argparse.Namespace) -> int:
@@ -950,6 +958,16 @@ class LogPrinter:
 
     def chunk(self, chunk: dict[str, Any]) -> None:
         """Print one chunk of a ``run.logs`` page."""
+        if chunk["stream"] == "cut":
+            # A marker belongs to no attempt (its ``attempt`` is 0): it neither starts one nor
+            # ends the one being printed (found by review: a run that ran once, with output
+            # cut, printed "--- attempt 0 ---" and "--- attempt 1 ---" around its marker).
+            self._flush()
+            if self.as_json:
+                print(json.dumps(chunk, default=_json_default))
+            else:
+                self._write("stdout", f"\n[... {chunk['dropped']} bytes cut ...]\n")
+            return
         if chunk.get("attempt") != self.attempt:
             self._flush()  # a new attempt's output never completes the last one's text
             first = self.attempt is None
@@ -958,13 +976,6 @@ class LogPrinter:
                 # Found by the fifth adversarial pass: a retried run's attempts ran together.
                 lead = "\n" if self._stdout_line_open else ""
                 self._write("stdout", f"{lead}--- attempt {self.attempt} ---\n")
-        if chunk["stream"] == "cut":
-            self._flush()
-            if self.as_json:
-                print(json.dumps(chunk, default=_json_default))
-            else:
-                self._write("stdout", f"\n[... {chunk['dropped']} bytes cut ...]\n")
-            return
         decoder = self.decoders.get(chunk["stream"])
         data = bytes(chunk["data"] or b"")
         text = decoder.decode(data) if decoder is not None else data.decode("utf-8", "replace")

@@ -431,3 +431,19 @@ def test_a_node_on_ipv6_loopback_is_reached_by_its_bracketed_address(tmp_path: P
         assert done.returncode == 0 and json.loads(done.stdout) == [], done.stderr
     finally:
         proc.kill()
+
+
+def test_the_clients_own_errors_carry_their_code_and_json(tmp_path: Path) -> None:
+    """A client-side error (here ``not_sendable``: an integer past 64 bits) is printed with
+    its code, and as the JSON error object under ``--json``, as the node's errors are (found
+    by review: plain text, without the code, whatever ``--json`` said)."""
+    node = NodeProc(tmp_path / "data", tmp_path / "node.log")
+    try:
+        args = ("submit", "--in", "1h", "--payload", '{"n": 100000000000000000000000}')
+        done = cli(node, *args)
+        assert done.returncode == 1 and done.stderr.startswith("error not_sendable: "), done
+        done = cli(node, *args, "--json")
+        assert done.returncode == 1
+        assert json.loads(done.stdout)["error"]["code"] == "not_sendable"
+    finally:
+        node.kill()

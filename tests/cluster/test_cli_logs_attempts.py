@@ -86,3 +86,32 @@ def test_logs_of_a_retried_run_mark_where_each_attempt_begins(tmp_path: Path) ->
         ]
     finally:
         node.terminate()
+
+
+def test_a_cut_marker_is_no_attempt_of_its_own(capsys: pytest.CaptureFixture[str]) -> None:
+    """A ``cut`` chunk carries attempt 0: the printer took it for an attempt, and a run that
+    ran once, its output cut, printed "--- attempt 0 ---" and "--- attempt 1 ---" around
+    the marker (found by review)."""
+    from cluster.commands import LogPrinter
+
+    def chunk(stream: str, attempt: int, data: bytes = b"", dropped: int = 0) -> dict[str, object]:
+        return {"seq": 1, "stream": stream, "attempt": attempt, "data": data, "dropped": dropped}
+
+    printer = LogPrinter(as_json=False)
+    for one in (
+        chunk("stdout", 1, b"head\n"),
+        chunk("cut", 0, dropped=10),
+        chunk("stdout", 1, b"tail\n"),
+        chunk("cut", 0, dropped=5),
+        chunk("stdout", 2, b"again\n"),
+    ):
+        printer.chunk(one)
+    printer.close()
+    assert capsys.readouterr().out == (
+        "head\n\n[... 10 bytes cut ...]\ntail\n\n[... 5 bytes cut ...]\n--- attempt 2 ---\nagain\n"
+    )
+    # (a log whose first chunk is a marker, as retention leaves one: the marker alone)
+    printer = LogPrinter(as_json=False)
+    printer.chunk(chunk("cut", 0, dropped=7))
+    printer.close()
+    assert capsys.readouterr().out == "\n[... 7 bytes cut ...]\n"
