@@ -55,7 +55,7 @@ from cluster.client import (
     RequestNotSendable,
     connect_reason,
 )
-from cluster.runner import RunHandle, TaskNotRunnable, run_task
+from cluster.runner import CHUNK_BYTES, RunHandle, TaskNotRunnable, run_task
 from cluster.watchdog_link import WatchdogLink
 from engine.effects import RunTicket
 from engine.lease import EpochFence, stop_disposition, worker_fence_at
@@ -866,7 +866,12 @@ class WorkerAgent:
                 else:
 
                     async def handler_output(stream: str, data: bytes | str) -> None:
-                        await on_output(*payload_chunk(stream, data))
+                        name, raw = payload_chunk(stream, data)
+                        # In CHUNK_BYTES pieces, as a process's output goes: one request over
+                        # the frame limit could not be sent at all, and the whole of it was
+                        # lost without a word (found by review: 9 MB in one call).
+                        for start in range(0, len(raw), CHUNK_BYTES):
+                            await on_output(name, raw[start : start + CHUNK_BYTES])
 
                     # The timeout is the worker's to enforce, as for a process (the node acts
                     # only at timeout + its grace, and only when reachable); "mark" lets the

@@ -199,6 +199,42 @@ def test_a_handler_writes_str_output_and_a_wrong_type_fails_in_the_handler(
     run_with_node(tmp_path, body)
 
 
+def test_output_past_the_frame_limit_in_one_call_is_kept_as_a_process_output_is(
+    tmp_path: Path,
+) -> None:
+    """One ``out()`` of 9 MB (past the 8 MiB frame limit) keeps its head, its tail and the cut
+    between, as a process's output does: sent whole, it could not be framed, and the run ended
+    SUCCESS with no output stored at all (found by review)."""
+    big = b"A" * 4_500_000 + b"Z" * 4_500_000
+
+    async def handler(ticket: RunTicket, out: Any) -> int:
+        await out("stdout", big)
+        return 0
+
+    async def body(client: Client, port: int) -> None:
+        agent = WorkerAgent("127.0.0.1", port, worker_id="w-big", payload_handler=handler)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(agent.run)
+            await client.create({"id": "big", "schedule": soon(0.1), "task": {"payload": 1}})
+            (run,) = await settle(client, "big")
+            nursery.cancel_scope.cancel()
+        assert run["state"] == "SUCCESS"
+        chunks: list[dict[str, Any]] = []
+        cursor = 0
+        while True:
+            page = await client.logs(run["run_id"], offset=cursor)
+            chunks += page["chunks"]
+            cursor = page["cursor"]
+            if page["at_end"]:
+                break
+        kept = b"".join(c["data"] for c in chunks)
+        cut = sum(c["dropped"] for c in chunks if c["stream"] == "cut")
+        assert kept == big[: 64 * 1024] + big[-960 * 1024 :]
+        assert cut == len(big) - len(kept)
+
+    run_with_node(tmp_path, body)
+
+
 def test_the_worker_enforces_a_payload_jobs_timeout(tmp_path: Path) -> None:
     """The handler is cancelled at the job's timeout and the run reported TIMED_OUT by the
     worker, as a process is stopped (before, only the node acted, at timeout + its grace);
