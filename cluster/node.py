@@ -49,6 +49,7 @@ from cluster.protocol import (
     REPORT_ARGS,
     BadArgs,
     Request,
+    WorkerIdInUse,
     check_report,
     clipped,
     error,
@@ -1085,6 +1086,22 @@ class WorkerSession:
     free: int
     conn: Connection
     instance: str = ""  # the process that said hello (WorkerHello.instance)
+    heard_ms: int = 0  # (monotonic) its last hello or heartbeat
+
+    def holds_id_against(self, conn: Connection, instance: str, now_ms: int, lease_ms: int) -> bool:
+        """Whether this session keeps its worker id from a hello of ``instance`` on ``conn``:
+        another process (both named, the names differ) while this one's connection is open
+        and it was heard within a lease. Two live processes with one id took it from each
+        other at every hello, each hello giving up the other's runs (found by review: an
+        at-least-once run executed five times). A worker that died or went silent for a
+        lease gives it up; so does a process without a name (an older worker library)."""
+        return (
+            conn is not self.conn
+            and not self.conn.closed
+            and bool(instance and self.instance)
+            and instance != self.instance
+            and now_ms - self.heard_ms < lease_ms
+        )
 
 
 # =============================================================================== the node
@@ -1884,10 +1901,21 @@ class Node:
         # Every argument checked before anything changes: a refused hello must not take the
         # worker id (and its dispatches) from the connection that has it (found by review).
         by_shard = self._by_shard(held)
+        now = mono_ms()
         old = self.workers.get(worker_id)
+        if old is not None and old.holds_id_against(
+            conn, instance, now, self.config.worker_lease_ms
+        ):
+            raise WorkerIdInUse(
+                f"worker_id: {worker_id!r} is another live worker's (its process "
+                f"{old.instance!r}, heard {now - old.heard_ms} ms ago): give each worker its "
+                "own id",
+                None,
+                "worker_id",
+            )
         if old is not None and old.conn is not conn:
             old.conn.worker = None  # the worker reconnected: the old connection is not it
-        session = WorkerSession(worker_id, tiers, slots, conn, instance)
+        session = WorkerSession(worker_id, tiers, slots, conn, instance, now)
         conn.worker = session
         self.workers[worker_id] = session
         for host, mine in zip(self.hosts, by_shard, strict=True):
@@ -1909,6 +1937,7 @@ class Node:
     def _heartbeat(self, conn: Connection, args: dict[str, Any]) -> Any:
         session = conn.worker
         assert session is not None
+        session.heard_ms = mono_ms()
         held = _held(args.get("held", []))
         raw_seen = args.get("seen")
         seen = _seen(raw_seen, self.shards) if raw_seen is not None else [-1] * self.shards

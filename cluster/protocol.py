@@ -191,6 +191,14 @@ class BadArgs(ProtocolError):
         self.field = field
 
 
+class WorkerIdInUse(BadArgs):
+    """``worker_id_in_use``: a hello naming the worker id of another live worker process."""
+
+    def __init__(self, message: str, request_id: int | None, field: str) -> None:
+        super().__init__(message, request_id, field)
+        self.code = "worker_id_in_use"
+
+
 def _bad(request_id: int | None, field: str, message: str) -> BadArgs:
     return BadArgs(f"{field}: {message}", request_id, str(field)[:64])
 

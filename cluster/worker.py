@@ -67,6 +67,10 @@ log = logging.getLogger("tickwheel.worker")
 
 #: fraction of the lease between heartbeats
 HEARTBEAT_FRACTION = 3
+#: a hello refused with ``worker_id_in_use`` is tried again, a second apart, for this many
+#: leases before the agent gives up: the node lets a silent worker's id go after a lease, and
+#: a worker restarted at once may say hello before the node saw its old connection close
+ID_IN_USE_LEASES = 1.5
 #: the worker fences itself this long before its lease could lapse on the node: the slack for
 #: the fence timer's lateness and the SIGKILL's delivery (fencing kills at once, no grace)
 FENCE_MARGIN_MS = 2_000
@@ -249,6 +253,8 @@ class WorkerAgent:
     ) -> None:
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
+        if not kill_grace_s >= 0:  # (a NaN too) here, not at the first timeout, ending the agent
+            raise ValueError(f"kill_grace_s must be >= 0, got {kill_grace_s}")
         self.host, self.port = host, port
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}"
         self.tiers = tiers
@@ -526,6 +532,7 @@ class WorkerAgent:
         if opens:
             self._opening_hello = (self.client.generation, sent)
         slots = self._free()
+        refused_since: float | None = None
         while True:
             args = {
                 "worker_id": self.worker_id,
@@ -538,6 +545,16 @@ class WorkerAgent:
                 result = await self.client.request("worker.hello", args)
                 break
             except RemoteError as exc:
+                if exc.code == "worker_id_in_use":
+                    # Another live process has this id (a misconfiguration: say so loudly),
+                    # or this worker's own old connection, not yet seen closed by the node.
+                    now = trio.current_time()
+                    refused_since = now if refused_since is None else refused_since
+                    log.error("hello refused: %s", exc.message)
+                    if now - refused_since > ID_IN_USE_LEASES * self.lease_ms / 1000:
+                        raise
+                    await trio.sleep(1.0)
+                    continue
                 if not self._old_node(exc):
                     raise
         self._opening_hello = None

@@ -12,6 +12,7 @@ import pytest
 import trio
 
 from cluster.client import Client, RemoteError
+from cluster.commands import _leaves
 from cluster.node import Node
 from cluster.worker import WorkerAgent
 from engine.effects import RunTicket
@@ -548,6 +549,49 @@ def test_a_worker_that_fenced_itself_takes_runs_again(tmp_path: Path) -> None:
             with trio.fail_after(10):
                 (ok,) = await settle(client, "next")
             assert ok["state"] == "SUCCESS"
+            nursery.cancel_scope.cancel()
+
+    run_with_node(tmp_path, body)
+
+
+def test_a_second_live_worker_process_with_the_same_id_is_refused(tmp_path: Path) -> None:
+    """Two live processes with one worker id took it from each other at every hello, each
+    hello giving up the other's runs, so at-least-once runs executed again and again (found
+    by review: five times). The second is refused (``worker_id_in_use``), tries again for
+    1.5 leases, then gives up; the first keeps the id and its runs run once. Once the first
+    is gone, the id is free again."""
+    executions: list[str] = []
+
+    async def handler(ticket: RunTicket, out: Callable[[str, bytes], Awaitable[None]]) -> int:
+        executions.append(ticket.run_id)
+        await trio.sleep(0.3)
+        return 0
+
+    async def body(client: Client, port: int) -> None:
+        first = WorkerAgent("127.0.0.1", port, worker_id="dup", payload_handler=handler)
+        second = WorkerAgent("127.0.0.1", port, worker_id="dup", payload_handler=handler)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(first.run)
+            for i in range(4):
+                await client.create({"id": f"d{i}", "schedule": soon(0.1), "task": {"payload": i}})
+            second.lease_ms = 1000  # what it takes for the lease before a hello: the node's
+            started = trio.current_time()
+            with pytest.raises(BaseExceptionGroup) as caught:
+                await second.run()
+            (refused,) = _leaves(caught.value)
+            assert isinstance(refused, RemoteError)
+            assert refused.code == "worker_id_in_use" and refused.field == "worker_id"
+            assert 1.5 <= trio.current_time() - started < 5
+            for i in range(4):
+                (run,) = await settle(client, f"d{i}")
+                assert run["state"] == "SUCCESS" and run["attempt"] == 1
+            nursery.cancel_scope.cancel()
+        assert sorted(executions) == sorted(set(executions)) and len(executions) == 4
+        # The first has gone (its connection closed): a third process takes the id at once.
+        third = WorkerAgent("127.0.0.1", port, worker_id="dup", payload_handler=handler)
+        async with trio.open_nursery() as nursery:
+            with trio.fail_after(1):
+                await nursery.start(third.run)
             nursery.cancel_scope.cancel()
 
     run_with_node(tmp_path, body)

@@ -664,6 +664,7 @@ def test_protocol_md_documents_every_op_and_every_error_code() -> None:
         "unknown_op",
         "bad_args",
         "not_a_worker",
+        "worker_id_in_use",
         "internal",
     }
     for code in wire_codes | _codes(EngineError) | _codes(StoreError):

@@ -582,3 +582,14 @@ def test_the_nodes_timeout_waits_for_the_workers_stop_sequence() -> None:
     kill_grace_ms = 1000 * inspect.signature(WorkerAgent).parameters["kill_grace_s"].default
     runner_grace_ms = 1000 * inspect.signature(run_task).parameters["kill_grace_s"].default
     assert EngineConfig().timeout_grace_ms >= max(kill_grace_ms, runner_grace_ms) + 2_000
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"slots": 0}, {"kill_grace_s": -1.0}, {"kill_grace_s": float("nan")}]
+)
+def test_an_agent_with_bad_settings_is_refused_when_made(kwargs: dict[str, float]) -> None:
+    """Not at the first timeout, where a negative grace ended the agent (found by review)."""
+    from cluster.worker import WorkerAgent
+
+    with pytest.raises(ValueError):
+        WorkerAgent("127.0.0.1", 1, watchdog=False, **kwargs)  # type: ignore[arg-type]
