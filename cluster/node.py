@@ -676,7 +676,8 @@ class ShardHost:
     async def _deliver_register(self, reg: Register) -> None:
         target = self.node.host_of(reg.upstream)
         await self._until_answered(
-            target, lambda rid: RegisterDependent(rid, reg.upstream, reg.downstream, reg.on)
+            target,
+            lambda rid: RegisterDependent(rid, reg.upstream, reg.downstream, reg.on, reg.seq),
         )
         self.tell(OutboxDelivered(reg.seq))
 
@@ -1786,7 +1787,9 @@ class Node:
         else:
             raise BadArgs("give an id or a schedule", None, "schedule")
         now = wall_ms()
-        result = preview(schedule, count, now, job_id=job_id, created_ms=now).to_dict()
+        # From now on, now included, as a create owes them: an `every` without `start` fires
+        # at its creation, which a preview strictly after now left out (found by review).
+        result = preview(schedule, count, now - 1, job_id=job_id, created_ms=now).to_dict()
         if job_id is not None and "schedule" not in args:
             result["paused"] = paused
         return result

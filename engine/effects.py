@@ -84,12 +84,16 @@ class TriggerJob:
 @dataclass(frozen=True)
 class RegisterDependent:
     """On the shard of ``upstream``: ``downstream`` runs after each successful run of it
-    (``on``), or no longer does. Repeats are harmless."""
+    (``on``), or no longer does. Repeats are harmless. ``seq``: the outbox position of the
+    registration on ``downstream``'s shard (:class:`Register`), which only grows: one older
+    than a registration already applied for the pair is a late repeat, and ignored (0: not
+    ordered, always applied)."""
 
     request_id: int
     upstream: str
     downstream: str
     on: bool = True
+    seq: int = 0
 
 
 @dataclass(frozen=True)

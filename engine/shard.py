@@ -118,6 +118,12 @@ RunRef = tuple[int, int]  # (job key, scheduled ms)
 # The trusted wall-minus-monotonic offset may grow by 1 ms per this many ms (NTP slews at
 # most 0.5 ms per s): a real forward correction is followed slowly, a jump never.
 _SLEW_DIVISOR = 1000
+#: while the wall clock is set back, the engine is woken at least this often (ms): a setback
+#: undone lets owed fires go at once
+_SETBACK_POLL_MS = 1000
+#: how long after the wall clock was set back a step forward back to where it was is taken for
+#: a correction rather than a jump (ms)
+_SETBACK_MEMORY_MS = 600_000
 
 # Job flags (the uint8 column).
 _PAUSED = 1
@@ -423,6 +429,12 @@ class ShardEngine:
         self._mono = mono_ms
         self._jumped = False
         self._offset = wall_ms - mono_ms  # wall minus monotonic, as far as it is trusted
+        #: the offset trusted before the wall clock was set back (else _offset), kept for
+        #: _SETBACK_MEMORY_MS from _setback_mono: a step forward back up to it undoes the
+        #: setback, and is no jump (see _clock)
+        self._offset_high = self._offset
+        self._setback_mono = mono_ms
+        self._raw_offset = self._offset  # wall minus monotonic, as the last tick saw it
         self._counter = 0  # fencing tokens handed out in this epoch
         self._sends = 0  # dispatches numbered in this epoch (Dispatch.seq)
         self._batch = 0  # last batch id handed out
@@ -491,6 +503,11 @@ class ShardEngine:
         # upstream job id -> ids of jobs (on any shard) that run after its successes
         self._dependents: dict[str, set[str]] = {}
         self._outbox_seq = 0
+        #: (upstream, downstream) -> the outbox position of the newest registration applied
+        #: for the pair (RegisterDependent.seq): redelivered after a restart, registrations
+        #: arrive in any order, and an older one must not undo a newer (found by review: a
+        #: dependency lost, or kept after its removal, for good). Kept for pairs turned off.
+        self._dep_seq: dict[tuple[str, str], int] = {}
         # Recovery only: the newest epoch a replayed ``epoch`` record (or the snapshot) opened;
         # a record stamped older than it afterwards is a fenced-off owner's write.
         self._replay_epoch = 0
@@ -672,7 +689,18 @@ class ShardEngine:
                 if due is not None and (best is None or due < best):
                     best = due
         if best is not None:
-            best += self._mono - self._wall  # wall-clock deadlines, in monotonic time
+            # Wall-clock deadlines, in monotonic time: when the engine's time reaches them at
+            # its pace. Under a wall clock set back, the engine's time stands still until the
+            # wall clock is back at it: the deadline is then when the wall clock reaches it,
+            # though no later than a poll away, so that a setback undone is seen soon (the
+            # engine's pace alone gave the same small gap at every turn: a wake-up every
+            # millisecond for as long as the setback lasted, found by review).
+            at_pace = best + self._mono - self._wall
+            behind = self._wall - self._mono - self._raw_offset
+            if behind > 0:
+                best = max(at_pace, min(at_pace + behind, self._mono + _SETBACK_POLL_MS))
+            else:
+                best = at_pace
         for wheel in (self._run_timers, self._worker_timers):
             due = wheel.next_due()
             if due is not None and (best is None or due < best):
@@ -693,20 +721,30 @@ class ShardEngine:
                 f"monotonic time {mono_ms} is before {self._mono}", field="mono_ms"
             )
         # The trusted offset between the clocks may move back at once (a wall clock set back
-        # only delays firing) but forward only at a slew rate, so that many small forward steps
-        # add up to no more than one: the engine never runs ahead of the monotonic clock's pace
-        # by more than max_clock_jump_ms in total.
-        elapsed = mono_ms - self._mono
-        offset = wall_ms - mono_ms
-        trusted = min(offset, self._offset + elapsed // _SLEW_DIVISOR)
-        limit = mono_ms + self._offset + self.config.max_clock_jump_ms
+        # only delays firing: the engine's time stands still until the wall clock is back at
+        # it) but forward only at a slew rate, so that many small forward steps add up to no
+        # more than one: the engine never runs ahead of the monotonic clock's pace by more
+        # than max_clock_jump_ms in total. But a step forward that undoes a setback within
+        # _SETBACK_MEMORY_MS, back up to the offset trusted before it, is a correction, not a
+        # jump. (Found by review: a clock set back an hour for a second, then put right, was a
+        # jump, and the offset crept back at 1 ms a second: every job fired an hour late for
+        # six weeks.) A setback that stays longer is taken for the truth, as before.
+        in_setback = self._offset < self._offset_high
+        if in_setback and mono_ms - self._setback_mono > _SETBACK_MEMORY_MS:
+            self._offset_high, in_setback = self._offset, False
+        high = self._offset_high
+        trusted = min(wall_ms - mono_ms, high + (mono_ms - self._mono) // _SLEW_DIVISOR)
+        limit = mono_ms + high + self.config.max_clock_jump_ms
         if wall_ms > limit:
             if not self._jumped:
                 self._out.append(ClockJump(wall_ms=wall_ms, engine_ms=limit))
             self._jumped = True
         else:
             self._jumped = False
-        self._offset = trusted
+        if trusted < high and not in_setback:
+            self._setback_mono = mono_ms  # a setback begins
+        self._offset, self._offset_high = trusted, max(high, trusted)
+        self._raw_offset = wall_ms - mono_ms
         self._wall, self._mono = max(self._wall, min(wall_ms, limit)), mono_ms
 
     def _run_due(self) -> None:
@@ -1092,6 +1130,8 @@ class ShardEngine:
             self._outbox[r["seq"]] = r
             self._outbox_seq = max(self._outbox_seq, r["seq"])
         elif kind == "dep":
+            if r.get("sq"):  # (absent from records before it)
+                self._dep_seq[(r["up"], r["down"])] = r["sq"]
             downs = self._dependents.setdefault(r["up"], set())
             if r["on"]:
                 downs.add(r["down"])
@@ -1737,27 +1777,40 @@ class ShardEngine:
         """
         if schedule is None:
             return [first], None  # a one-shot: nothing after its one time
+        most = self.config.max_enumerate
         owed = [first]
         while True:
             t = schedule.next_after(owed[-1])
             if t is None or t > now:
                 return owed, t
-            owed.append(t)
-            if len(owed) >= self.config.max_enumerate:
+            if len(owed) >= most:
                 break
-        # Too many: start again from a point whose remaining times fit, and skip the rest.
-        span = now - owed[0]
-        start = now - span // 2
-        while True:
-            tail: list[int] = []
-            t = schedule.next_after(start)
-            while t is not None and t <= now and len(tail) < self.config.max_enumerate:
+            owed.append(t)
+        # Too many: bisect for a start after which 1 to max_enumerate times are owed; those
+        # are the newest, and the older ones one skip range. (Halving towards now alone, a
+        # schedule with no time in the newer half, as a burst of fires long ago, gave none at
+        # all, and catchup=latest ran nothing: found by review.) Invariant: more than
+        # max_enumerate times in (lo, now], none in (hi, now]; the two meet only if some
+        # millisecond held two times, which no schedule makes.
+        lo, hi = first - 1, now
+        tail: list[int] = []
+        t = None
+        while hi - lo > 1:
+            mid = lo + (hi - lo) // 2
+            tail = []
+            t = schedule.next_after(mid)
+            while t is not None and t <= now and len(tail) <= most:
                 tail.append(t)
                 t = schedule.next_after(t)
-            if t is None or t > now:
-                break
-            start = now - (now - start) // 2
-        self._skip(key, first, start if not tail else tail[0] - 1, -1, self._late_reason(key))
+            if len(tail) > most:
+                lo = mid
+            elif not tail:
+                hi = mid
+            else:
+                break  # (t: the first time after now, or None)
+        else:  # (unreachable for a schedule whose times are distinct)
+            tail, t = [], schedule.next_after(now)
+        self._skip(key, first, tail[0] - 1 if tail else now, -1, self._late_reason(key))
         return tail, t
 
     def _skip(
@@ -1915,7 +1968,18 @@ class ShardEngine:
 
     def _register(self, cmd: RegisterDependent) -> None:
         known = cmd.downstream in self._dependents.get(cmd.upstream, ())
-        if known != cmd.on:
+        pair = (cmd.upstream, cmd.downstream)
+        if cmd.seq:
+            newest = self._dep_seq.get(pair, 0)
+            if cmd.seq <= newest:
+                # A late repeat of a registration a newer one already superseded.
+                self._reply_after_durable(cmd.request_id, {"registered": known, "stale": True})
+                return
+            # Recorded even when nothing changes: an older registration still on its way
+            # (the opposite one) must find this one's position and be ignored.
+            self._dep_seq[pair] = cmd.seq
+            self._emit(rec.make("dep", up=cmd.upstream, down=cmd.downstream, on=cmd.on, sq=cmd.seq))
+        elif known != cmd.on:
             self._emit(rec.make("dep", up=cmd.upstream, down=cmd.downstream, on=cmd.on))
         self._reply_after_durable(cmd.request_id, {"registered": cmd.on})
 
@@ -2501,6 +2565,7 @@ class ShardEngine:
                 "outbox": [self._outbox[seq] for seq in sorted(self._outbox)],
                 "outbox_seq": self._outbox_seq,
                 "dependents": {up: sorted(d) for up, d in sorted(self._dependents.items())},
+                "dep_seq": [[up, down, sq] for (up, down), sq in sorted(self._dep_seq.items())],
                 # [source run id, target job key, time]: the same triple as before the target
                 # became part of the key, so snapshots of either form load in both.
                 "sources": [[src, key, at] for (key, src), at in self._sources.items()],
@@ -2564,6 +2629,7 @@ class ShardEngine:
         self._outbox = {r["seq"]: r for r in meta["outbox"]}
         self._outbox_seq = meta["outbox_seq"]
         self._dependents = {up: set(downs) for up, downs in meta["dependents"].items()}
+        self._dep_seq = {(up, down): sq for up, down, sq in meta.get("dep_seq", ())}
         for src, key, at in meta["sources"]:
             self._sources[(key, src)] = at
         for key, at, token, worker_id in meta.get("marked", ()):  # (absent from older ones)

@@ -486,7 +486,9 @@ class SimNode:
         if isinstance(effect, Trigger):
             command = TriggerJob(self._rid, effect.job_id, effect.source_run_id, effect.depth)
         else:
-            command = RegisterDependent(self._rid, effect.upstream, effect.downstream, effect.on)
+            command = RegisterDependent(
+                self._rid, effect.upstream, effect.downstream, effect.on, effect.seq
+            )
         self._touch(hs, engine=bool(self._call(hs, command)))
 
     def on_outbox_done(self, shard: int, epoch: int, seq: int) -> None:

@@ -130,6 +130,14 @@ def test_job_commands_over_the_wire(tmp_path: Path) -> None:
         assert [r["ok"] for r in results] == [True] * 50 + [False]
         listed = [j["job_id"] async for j in client.list_jobs(page=7)]
         assert sorted(listed) == sorted([job_id] + [f"b{i}" for i in range(50)])
+        # An `every` without `start` fires at its creation; its preview says so (found by
+        # review: it began an interval later), and a create then owes that same first time.
+        before = int(time.time() * 1000)
+        fires = (await client.preview(schedule={"every": "1h"}, count=2))["fires"]
+        made = await client.create({"schedule": {"every": "1h"}, "task": {"shell": "true"}})
+        assert 0 <= fires[0]["at_ms"] - before < 5_000
+        assert fires[1]["at_ms"] - fires[0]["at_ms"] == 3_600_000
+        assert 0 <= made["next_fire_ms"] - fires[0]["at_ms"] < 5_000
 
     run_with_node(tmp_path, body)
 

@@ -118,7 +118,9 @@ class Node:
         target = to or self
         while self.registrations:
             reg = self.registrations.pop(0)
-            target.do(RegisterDependent(target.request(), reg.upstream, reg.downstream, reg.on))
+            target.do(
+                RegisterDependent(target.request(), reg.upstream, reg.downstream, reg.on, reg.seq)
+            )
             self.do(OutboxDelivered(reg.seq))
 
     def take_snapshot(self) -> None:

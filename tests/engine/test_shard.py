@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from engine.effects import (
@@ -947,3 +949,124 @@ def test_a_run_of_a_replaced_job_keeps_its_spec_when_the_id_gets_a_new_version()
     node.crash_and_recover()
     node.do(WorkerHello("w2", ("default",), 1, ()))
     node.run_until(1000)
+
+
+# ------------------------------------------------------------------ found by review (clocks)
+
+
+def every_second(node: Node, job_id: str = "tick") -> None:
+    from engine.schedules import format_utc
+
+    node.create(id=job_id, schedule={"every": "1s", "start": format_utc(node.wall + 1000)})
+
+
+def test_a_wall_clock_set_back_for_a_moment_then_put_right_costs_nothing() -> None:
+    """Set back an hour for a second, then put right: the engine follows the wall clock at
+    once, reports no jump, and fires every time on time. Before, the correction counted as a
+    forward jump and the trusted offset crept back at 1 ms a second: every job an hour late
+    for six weeks (found by review)."""
+    node = Node()
+    every_second(node)
+    node.run_until(10_000)
+    node.advance(0, wall_extra=-3600_000)  # set back an hour...
+    node.advance(1000, wall_extra=3600_000)  # ... and put right a second later
+    assert node.jumps == [] and node.engine.now_ms == node.wall
+    node.run_until(60_000)
+    ats = sorted(r["at"] for r in node.runs().values())
+    assert node.wall - ats[-1] <= 1000  # on time, not an hour behind
+    assert len(ats) == len(set(ats)) and all(b - a == 1000 for a, b in itertools.pairwise(ats))
+
+
+def test_a_setback_that_stays_is_the_truth_and_a_later_leap_a_jump() -> None:
+    """A wall clock set back for longer than the setback memory (ten minutes) is taken for
+    the truth: the engine's time stands still until the wall clock is back at it, and a leap
+    forward after that is a jump, reported, and never fires early."""
+    node = Node()
+    once(node, "j", in_s=3600)
+    node.advance(0, wall_extra=-1800_000)  # half an hour back, for good
+    stood = node.engine.now_ms
+    node.run_until(11 * 60_000, step=1000)
+    assert node.engine.now_ms == stood and node.jumps == []
+    node.advance(1000, wall_extra=2 * 3600_000)  # then two hours forward: a jump
+    assert node.jumps and node.runs() == {}
+    assert node.engine.now_ms <= stood + 1000 + node.config.max_clock_jump_ms
+
+
+def test_while_the_wall_clock_is_set_back_the_engine_wakes_once_a_second() -> None:
+    """Not at every millisecond: the deadline at the engine's pace stood still with its time,
+    and a node's loop woke every 1-2 ms for as long as the setback lasted (found by review)."""
+    node = Node()
+    every_second(node)
+    node.run_until(5_500)
+    node.advance(0, wall_extra=-600_000)
+    wakes = 0
+    end = node.mono + 60_000
+    while node.mono < end:
+        wake = node.engine.next_wakeup_mono()
+        assert wake is not None and node.mono < wake <= node.mono + 1000
+        node.advance(wake - node.mono)
+        wakes += 1
+    assert wakes <= 61
+
+
+def test_catchup_latest_runs_the_newest_time_owed_even_far_behind_now() -> None:
+    """More times owed than max_enumerate, all long before now (a burst of fires, then none):
+    latest runs the newest of them. Halving the range towards now found no time in the newer
+    half and ran nothing (found by review)."""
+    node = Node(config=cfg(max_enumerate=100))
+    # every second of 1 January 2026, 00:01 to 00:09 (T0 is that midnight), then nothing
+    node.create(id="burst", schedule={"cron": "* 1-9 0 1 1 *"}, catchup="latest")
+    node.crash_and_recover(downtime_ms=10 * 86_400_000)  # down for ten days
+    node.advance(1)
+    (run,) = node.runs().values()
+    assert run["at"] == T0 + 10 * 60_000 - 1000  # 00:09:59, the newest owed
+    # every other owed time is skipped, in ranges that meet: the oldest uncounted (beyond
+    # the enumeration bound), the rest counted
+    skips = [r for r in node.durable_records if r["t"] == "skip"]
+    assert {s["why"] for s in skips} == {"catchup"} and skips[0]["n"] == -1
+    assert skips[0]["lo"] == T0 + 60_000 and skips[-1]["hi"] == run["at"] - 1000
+    assert all(
+        b["lo"] > a["hi"] and b["lo"] - a["hi"] <= 1000 for a, b in itertools.pairwise(skips)
+    )
+
+
+# ------------------------------------------------------------------ found by review (after)
+
+
+def test_late_registrations_never_undo_newer_ones() -> None:
+    """Redelivered after a restart, an ``after`` registration and its removal reached the
+    upstream's shard in any order, and the last applied won for good: a dependency lost, or
+    kept after its removal (found by review). Each carries its outbox position now; an older
+    one than the pair's newest applied is ignored, across a restart too."""
+    from engine.effects import OutboxDelivered, RegisterDependent
+
+    node = Node()
+    every_second(node, "up")
+    down = {"id": "down", "schedule": {"at": "2030-01-01T00:00:00Z"}, "task": {"shell": "x"}}
+    node.create(**down, after=["up"])
+
+    def update(after: list[str]) -> None:
+        spec = validate_job({**down, "after": after}, now_ms=node.wall)
+        reply = node.do(UpdateJob(node.request(), spec))
+        assert reply is not None and reply.error is None
+
+    for after in ([], ["up"], []):  # on, off, on, off
+        update(after)
+    regs = list(node.registrations)
+    node.registrations.clear()
+    assert [r.on for r in regs] == [True, False, True, False]
+    for reg in reversed(regs):  # the newest first: each older one is a late repeat
+        node.do(RegisterDependent(node.request(), reg.upstream, reg.downstream, reg.on, reg.seq))
+        node.do(OutboxDelivered(reg.seq))
+    assert node.engine.snapshot()["dependents"] == {}
+    # ... and after a restart, from the records, and from a snapshot
+    on = regs[2]
+    for via_snapshot in (False, True):
+        node.take_snapshot()
+        node.crash_and_recover(downtime_ms=1, via_snapshot=via_snapshot)
+        node.do(RegisterDependent(node.request(), on.upstream, on.downstream, on.on, on.seq))
+        assert node.engine.snapshot()["dependents"] == {}
+    # a newer one still counts
+    update(["up"])
+    node.deliver_registrations()
+    assert node.engine.snapshot()["dependents"] == {"up": ["down"]}
