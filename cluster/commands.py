@@ -419,10 +419,21 @@ async def cmd_submit(client: Client, args: argparse.Namespace) -> int:
                 "(put them in the file's lines)"
             )
         return await _submit_file(client, args)
+    from cluster.client import RequestTimeout
+    from engine.jobs import new_job_id
+
     spec = spec_from_args(args, update=False)
-    if args.id is not None:
-        spec["id"] = args.id
-    job = await client.create(spec)
+    # The id is made here, not by the library, so that a create whose answer never came can
+    # name it: the job may exist, and the same command again (without --id) would make a
+    # second one (found by review).
+    spec["id"] = args.id if args.id is not None else new_job_id(_now_ms(), os.urandom(10))
+    try:
+        job = await client.create(spec)
+    except (RequestTimeout, ConnectionLost) as exc:
+        raise type(exc)(
+            f"{exc} (job {spec['id']} may have been created: `tickwheel job get {spec['id']}` "
+            "tells; submit again with --id to retry without a second job)"
+        ) from None
     emit(
         args,
         job,

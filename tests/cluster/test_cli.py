@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -22,6 +23,7 @@ from cluster.client import Client, RemoteError
 from cluster.codec import FrameDecoder, encode
 from cluster.worker import WorkerAgent
 from engine.effects import RunTicket
+from engine.jobs import validate_job_id
 from engine.schedules import format_utc
 from tests.cluster.procs import NodeProc, with_client
 
@@ -447,3 +449,32 @@ def test_the_clients_own_errors_carry_their_code_and_json(tmp_path: Path) -> Non
         assert json.loads(done.stdout)["error"]["code"] == "not_sendable"
     finally:
         node.kill()
+
+
+def test_a_submit_whose_answer_never_came_names_the_job_it_may_have_made() -> None:
+    """The id is made by the CLI: a create whose connection broke (here a peer that reads the
+    request and hangs up) may have made the job, and the error says which, so the user can
+    look and retry with that --id instead of making a second job (found by review)."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+
+    def hang_up() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return  # closed: the test is over
+            conn.recv(65536)
+            conn.close()
+
+    threading.Thread(target=hang_up, daemon=True).start()
+    try:
+        port = server.getsockname()[1]
+        done = tw("submit", "--in", "1h", "--shell", "true", "--connect", f"127.0.0.1:{port}")
+        assert done.returncode == 1 and "connection_lost" in done.stderr, done.stderr
+        job_id = done.stderr.split("(job ", 1)[1].split()[0]
+        assert f"tickwheel job get {job_id}" in done.stderr
+        validate_job_id(job_id)
+    finally:
+        server.close()
