@@ -121,6 +121,10 @@ _SLEW_DIVISOR = 1000
 #: while the wall clock is set back, the engine is woken at least this often (ms): a setback
 #: undone lets owed fires go at once
 _SETBACK_POLL_MS = 1000
+#: ... if it is set back by more than this (ms): reading the two clocks a moment apart, each
+#: rounded to the ms, makes their offset wander by a millisecond or so all the time, and the
+#: poll is not for that (a correction this small seen late delays a fire by as much)
+_SETBACK_NOISE_MS = 50
 #: how long after the wall clock was set back a step forward back to where it was is taken for
 #: a correction rather than a jump (ms)
 _SETBACK_MEMORY_MS = 600_000
@@ -506,8 +510,13 @@ class ShardEngine:
         #: (upstream, downstream) -> the outbox position of the newest registration applied
         #: for the pair (RegisterDependent.seq): redelivered after a restart, registrations
         #: arrive in any order, and an older one must not undo a newer (found by review: a
-        #: dependency lost, or kept after its removal, for good). Kept for pairs turned off.
+        #: dependency lost, or kept after its removal, for good). Kept for pairs turned off
+        #: for trigger_dedupe_ms after the engine time they were turned off (``_dep_off``, in
+        #: that order), then forgotten: a create-and-cancel loop of dependent jobs would
+        #: otherwise grow it for ever. (A registration redelivered more than a day late may
+        #: then undo a removal: the same bound the trigger dedupe keeps.)
         self._dep_seq: dict[tuple[str, str], int] = {}
+        self._dep_off: dict[tuple[str, str], int] = {}
         # Recovery only: the newest epoch a replayed ``epoch`` record (or the snapshot) opened;
         # a record stamped older than it afterwards is a fenced-off owner's write.
         self._replay_epoch = 0
@@ -705,6 +714,13 @@ class ShardEngine:
             due = wheel.next_due()
             if due is not None and (best is None or due < best):
                 best = due
+        if self._offset_high - self._offset > _SETBACK_NOISE_MS:
+            # A setback within its memory: the engine must see the wall clock put right while
+            # it still counts as a correction, whatever is due (found by review: a shard with
+            # nothing due for half an hour slept through it, and the correction, seen after the
+            # memory lapsed, was a jump: every job an hour late again).
+            poll = self._mono + _SETBACK_POLL_MS
+            best = poll if best is None or poll < best else best
         return None if best is None else max(best, self._mono)
 
     @property
@@ -1131,7 +1147,7 @@ class ShardEngine:
             self._outbox_seq = max(self._outbox_seq, r["seq"])
         elif kind == "dep":
             if r.get("sq"):  # (absent from records before it)
-                self._dep_seq[(r["up"], r["down"])] = r["sq"]
+                self._note_dep_seq((r["up"], r["down"]), r["sq"], r["on"], r.get("at", 0))
             downs = self._dependents.setdefault(r["up"], set())
             if r["on"]:
                 downs.add(r["down"])
@@ -1749,7 +1765,11 @@ class ShardEngine:
         """
         profile = self._profile(key)
         policy, now = profile.policy, self._wall
-        owed, nxt = self._owed(key, profile.schedule, first, now)
+        # (how many of the newest owed times the policy may keep: all it needs to see)
+        keeps = 0 if policy.catchup == "skip" else 1 if policy.catchup == "latest" else None
+        owed, nxt = self._owed(
+            key, profile.schedule, first, now, policy.max_catchup if keeps is None else keeps
+        )
         if policy.catchup == "skip":
             keep: list[int] = []
         elif policy.catchup == "latest":
@@ -1767,17 +1787,19 @@ class ShardEngine:
         return "paused" if self._flags[key] & _LATE_PAUSED else "catchup"
 
     def _owed(
-        self, key: int, schedule: Schedule | None, first: int, now: int
+        self, key: int, schedule: Schedule | None, first: int, now: int, need: int
     ) -> tuple[list[int], int | None]:
         """Fire times from ``first`` up to ``now``, and the next one after them.
 
         When there are more than ``max_enumerate``, the oldest are recorded as one skip range
-        (count unknown) and the newest ``max_enumerate`` are returned: the catch-up policies
-        only ever keep the newest.
+        (count unknown) and only the newest are returned, at least ``need`` of them (as many
+        as the catch-up policy may keep: it only ever keeps the newest) and at most
+        ``max_enumerate``.
         """
         if schedule is None:
             return [first], None  # a one-shot: nothing after its one time
         most = self.config.max_enumerate
+        need = min(need, most)
         owed = [first]
         while True:
             t = schedule.next_after(owed[-1])
@@ -1786,12 +1808,14 @@ class ShardEngine:
             if len(owed) >= most:
                 break
             owed.append(t)
-        # Too many: bisect for a start after which 1 to max_enumerate times are owed; those
-        # are the newest, and the older ones one skip range. (Halving towards now alone, a
-        # schedule with no time in the newer half, as a burst of fires long ago, gave none at
-        # all, and catchup=latest ran nothing: found by review.) Invariant: more than
-        # max_enumerate times in (lo, now], none in (hi, now]; the two meet only if some
-        # millisecond held two times, which no schedule makes.
+        # Too many: bisect for a start after which ``need`` (as many as the policy may keep)
+        # to max_enumerate times are owed; those are the newest, and the older ones one skip
+        # range. (Halving towards now alone, a schedule with no time in the newer half, as a
+        # burst of fires long ago, gave none at all, and catchup=latest ran nothing; stopping
+        # at the first start with any time after it gave catchup=all fewer than it keeps:
+        # both found by review.) Invariant: more than max_enumerate times in (lo, now], fewer
+        # than ``need`` in (hi, now]; the two meet only if some millisecond held two times,
+        # which no schedule makes.
         lo, hi = first - 1, now
         tail: list[int] = []
         t = None
@@ -1804,7 +1828,7 @@ class ShardEngine:
                 t = schedule.next_after(t)
             if len(tail) > most:
                 lo = mid
-            elif not tail:
+            elif len(tail) < max(need, 1):
                 hi = mid
             else:
                 break  # (t: the first time after now, or None)
@@ -1977,11 +2001,35 @@ class ShardEngine:
                 return
             # Recorded even when nothing changes: an older registration still on its way
             # (the opposite one) must find this one's position and be ignored.
-            self._dep_seq[pair] = cmd.seq
-            self._emit(rec.make("dep", up=cmd.upstream, down=cmd.downstream, on=cmd.on, sq=cmd.seq))
+            self._note_dep_seq(pair, cmd.seq, cmd.on, self._wall)
+            self._emit(
+                rec.make(
+                    "dep",
+                    up=cmd.upstream,
+                    down=cmd.downstream,
+                    on=cmd.on,
+                    sq=cmd.seq,
+                    at=self._wall,
+                )
+            )
         elif known != cmd.on:
             self._emit(rec.make("dep", up=cmd.upstream, down=cmd.downstream, on=cmd.on))
         self._reply_after_durable(cmd.request_id, {"registered": cmd.on})
+
+    def _note_dep_seq(self, pair: tuple[str, str], seq: int, on: bool, at: int) -> None:
+        """Remember ``seq`` as ``pair``'s newest registration (turned ``on`` or off at engine
+        time ``at``); forget pairs turned off longer than trigger_dedupe_ms ago."""
+        self._dep_seq[pair] = seq
+        self._dep_off.pop(pair, None)
+        if not on:
+            self._dep_off[pair] = at
+        horizon = self._wall - self.config.trigger_dedupe_ms
+        while self._dep_off:
+            oldest = next(iter(self._dep_off))
+            if self._dep_off[oldest] >= horizon:
+                break
+            del self._dep_off[oldest]
+            del self._dep_seq[oldest]
 
     def _outbox_delivered(self, cmd: OutboxDelivered) -> None:
         if cmd.seq in self._outbox:
@@ -2565,7 +2613,17 @@ class ShardEngine:
                 "outbox": [self._outbox[seq] for seq in sorted(self._outbox)],
                 "outbox_seq": self._outbox_seq,
                 "dependents": {up: sorted(d) for up, d in sorted(self._dependents.items())},
-                "dep_seq": [[up, down, sq] for (up, down), sq in sorted(self._dep_seq.items())],
+                # [upstream, downstream, seq(, engine time turned off)], turned-off pairs last
+                # and in the order they were turned off, as _dep_off keeps them
+                "dep_seq": [
+                    [up, down, sq]
+                    for (up, down), sq in sorted(self._dep_seq.items())
+                    if (up, down) not in self._dep_off
+                ]
+                + [
+                    [up, down, self._dep_seq[(up, down)], at]
+                    for (up, down), at in self._dep_off.items()
+                ],
                 # [source run id, target job key, time]: the same triple as before the target
                 # became part of the key, so snapshots of either form load in both.
                 "sources": [[src, key, at] for (key, src), at in self._sources.items()],
@@ -2629,7 +2687,11 @@ class ShardEngine:
         self._outbox = {r["seq"]: r for r in meta["outbox"]}
         self._outbox_seq = meta["outbox_seq"]
         self._dependents = {up: set(downs) for up, downs in meta["dependents"].items()}
-        self._dep_seq = {(up, down): sq for up, down, sq in meta.get("dep_seq", ())}
+        self._dep_seq, self._dep_off = {}, {}
+        for entry in meta.get("dep_seq", ()):  # (absent from older snapshots)
+            self._dep_seq[(entry[0], entry[1])] = entry[2]
+            if len(entry) > 3:
+                self._dep_off[(entry[0], entry[1])] = entry[3]
         for src, key, at in meta["sources"]:
             self._sources[(key, src)] = at
         for key, at, token, worker_id in meta.get("marked", ()):  # (absent from older ones)

@@ -977,6 +977,34 @@ def test_a_wall_clock_set_back_for_a_moment_then_put_right_costs_nothing() -> No
     assert len(ats) == len(set(ats)) and all(b - a == 1000 for a, b in itertools.pairwise(ats))
 
 
+def test_a_setback_put_right_while_nothing_is_due_is_still_seen_in_time() -> None:
+    """Driven as a node's loop drives it (woken only at next_wakeup_mono): a shard with
+    nothing due for half an hour slept through a setback put right a second later, saw it
+    only after the setback memory had lapsed, and took it for a jump; the job then fired an
+    hour late (found by review). A setback now wakes it once a second while it is
+    remembered."""
+    node = Node()
+    worker(node)
+    base, start = node.wall - node.mono, node.mono
+    once(node, "j", in_s=1800)
+    due = node.wall + 1_800_000
+    node.mono += 1000
+    node.wall = node.mono + base - 3_600_000  # set back an hour; a command sees it
+    once(node, "k", in_s=7200)
+
+    def offset(mono: int) -> int:  # put right a second later
+        return base - 3_600_000 if mono < start + 2000 else base
+
+    while not node.dispatches and node.mono < start + 3_600_000:
+        wake = node.engine.next_wakeup_mono()
+        assert wake is not None
+        node.mono = max(wake, node.mono)
+        node.wall = node.mono + offset(node.mono)
+        node.absorb(node.engine.tick(node.wall, node.mono))
+    assert node.jumps == [] and node.engine.now_ms == node.wall
+    assert node.dispatches and node.dispatches[0][0] - due < 2000
+
+
 def test_a_setback_that_stays_is_the_truth_and_a_later_leap_a_jump() -> None:
     """A wall clock set back for longer than the setback memory (ten minutes) is taken for
     the truth: the engine's time stands still until the wall clock is back at it, and a leap
@@ -1070,3 +1098,58 @@ def test_late_registrations_never_undo_newer_ones() -> None:
     update(["up"])
     node.deliver_registrations()
     assert node.engine.snapshot()["dependents"] == {"up": ["down"]}
+
+
+def test_catchup_all_runs_as_many_as_it_keeps_even_far_behind_now() -> None:
+    """More times owed than max_enumerate, all long before now: catchup=all runs the newest
+    max_catchup of them. The bisection stopped at the first start with any time after it,
+    and all ran fewer than it keeps (found by review)."""
+    node = Node(config=cfg(max_enumerate=100))
+    node.create(
+        id="burst",
+        schedule={"cron": "* 1-9 0 1 1 *"},
+        catchup="all",
+        max_catchup=100,
+        catchup_window="720h",
+    )
+    node.crash_and_recover(downtime_ms=10 * 86_400_000)
+    node.advance(1)
+    ats = sorted(r["at"] for r in node.runs().values())
+    newest = T0 + 10 * 60_000 - 1000  # 00:09:59
+    assert ats == [newest - 1000 * i for i in range(99, -1, -1)]
+
+
+def test_registrations_of_pairs_turned_off_are_forgotten_after_the_dedupe_window() -> None:
+    """The newest registration position per (upstream, downstream) pair is kept to ignore
+    late repeats; a loop creating and cancelling dependent jobs grew it for ever (found by
+    review). A pair turned off is forgotten trigger_dedupe_ms later, across a restart too;
+    one turned off within the window still ignores a late repeat."""
+    from engine.effects import RegisterDependent
+
+    node = Node(config=cfg(trigger_dedupe_ms=60_000))
+    every_second(node, "up")
+    regs = []
+    for i in range(300):
+        node.create(id=f"d{i}", schedule={"at": "2030-01-01T00:00:00Z"}, after=["up"])
+        node.do(CancelJob(node.request(), f"d{i}"))
+        regs += node.registrations
+        node.deliver_registrations()
+        node.advance(1000)
+    # turned off in the last minute, at most
+    assert 0 < len(node.engine._dep_seq) <= 62 and len(node.engine._dep_off) <= 62
+    late_on = next(r for r in reversed(regs) if r.on)
+    for via_snapshot in (False, True):
+        node.take_snapshot()
+        node.crash_and_recover(downtime_ms=1, via_snapshot=via_snapshot)
+        assert len(node.engine._dep_seq) <= 62
+        node.do(
+            RegisterDependent(
+                node.request(), late_on.upstream, late_on.downstream, late_on.on, late_on.seq
+            )
+        )
+        assert node.engine.snapshot()["dependents"] == {}
+    node.advance(61_000)
+    node.create(id="last", schedule={"at": "2030-01-01T00:00:00Z"}, after=["up"])
+    node.do(CancelJob(node.request(), "last"))
+    node.deliver_registrations()
+    assert set(node.engine._dep_seq) == {("up", "last")}
