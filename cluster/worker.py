@@ -71,6 +71,10 @@ HEARTBEAT_FRACTION = 3
 #: leases before the agent gives up: the node lets a silent worker's id go after a lease, and
 #: a worker restarted at once may say hello before the node saw its old connection close
 ID_IN_USE_LEASES = 1.5
+#: ... and for at least this long: before its first hello is answered the agent does not know
+#: the node's lease (its own guess is 10 s; a node may keep a longer one), and a worker
+#: restarted after a partition must outwait the node's, not its guess
+ID_IN_USE_PATIENCE_S = 60.0
 #: the worker fences itself this long before its lease could lapse on the node: the slack for
 #: the fence timer's lateness and the SIGKILL's delivery (fencing kills at once, no grace)
 FENCE_MARGIN_MS = 2_000
@@ -250,6 +254,7 @@ class WorkerAgent:
         payload_handler: PayloadHandler | None = None,
         connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
         watchdog: bool = True,
+        id_in_use_patience_s: float | None = None,
     ) -> None:
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
@@ -263,6 +268,9 @@ class WorkerAgent:
         self.container_runtime = container_runtime
         self.payload_handler = payload_handler
         self.connect_timeout_s = connect_timeout_s
+        #: how long a hello refused with ``worker_id_in_use`` is tried again before the agent
+        #: gives up; None: the larger of ID_IN_USE_PATIENCE_S and ID_IN_USE_LEASES leases
+        self.id_in_use_patience_s = id_in_use_patience_s
         #: the guard process that kills this worker's tasks if the worker dies
         #: (:mod:`cluster.watchdog`); started by :meth:`run`, None with ``watchdog=False``
         self.watchdog: WatchdogLink | None = WatchdogLink() if watchdog else None
@@ -498,6 +506,11 @@ class WorkerAgent:
             return 0
         return max(0, self.slots - self.running - len(self.waiting))
 
+    def _id_in_use_patience_s(self) -> float:
+        if self.id_in_use_patience_s is not None:
+            return self.id_in_use_patience_s
+        return max(ID_IN_USE_PATIENCE_S, ID_IN_USE_LEASES * self.lease_ms / 1000)
+
     def _held_list(self) -> list[list[Any]]:
         """Every run this worker holds: running, finished but not yet acknowledged, and
         dispatched but waiting for a slot (the node counts them as this worker's)."""
@@ -551,7 +564,7 @@ class WorkerAgent:
                     now = trio.current_time()
                     refused_since = now if refused_since is None else refused_since
                     log.error("hello refused: %s", exc.message)
-                    if now - refused_since > ID_IN_USE_LEASES * self.lease_ms / 1000:
+                    if now - refused_since > self._id_in_use_patience_s():
                         raise
                     await trio.sleep(1.0)
                     continue

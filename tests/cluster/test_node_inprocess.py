@@ -566,7 +566,7 @@ def test_a_second_live_worker_process_with_the_same_id_is_refused(tmp_path: Path
     """Two live processes with one worker id took it from each other at every hello, each
     hello giving up the other's runs, so at-least-once runs executed again and again (found
     by review: five times). The second is refused (``worker_id_in_use``), tries again for
-    1.5 leases, then gives up; the first keeps the id and its runs run once. Once the first
+    its patience (here 1.5 s), then gives up; the first keeps the id and its runs run once. Once the first
     is gone, the id is free again."""
     executions: list[str] = []
 
@@ -577,12 +577,13 @@ def test_a_second_live_worker_process_with_the_same_id_is_refused(tmp_path: Path
 
     async def body(client: Client, port: int) -> None:
         first = WorkerAgent("127.0.0.1", port, worker_id="dup", payload_handler=handler)
-        second = WorkerAgent("127.0.0.1", port, worker_id="dup", payload_handler=handler)
+        second = WorkerAgent(
+            "127.0.0.1", port, worker_id="dup", payload_handler=handler, id_in_use_patience_s=1.5
+        )
         async with trio.open_nursery() as nursery:
             await nursery.start(first.run)
             for i in range(4):
                 await client.create({"id": f"d{i}", "schedule": soon(0.1), "task": {"payload": i}})
-            second.lease_ms = 1000  # what it takes for the lease before a hello: the node's
             started = trio.current_time()
             with pytest.raises(BaseExceptionGroup) as caught:
                 await second.run()

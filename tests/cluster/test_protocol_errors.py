@@ -469,6 +469,31 @@ def test_an_error_echoing_a_huge_input_stays_small(tmp_path: Path) -> None:
     run_with_node(tmp_path, body)
 
 
+def test_a_batch_of_errors_each_echoing_its_input_still_fits_one_reply(tmp_path: Path) -> None:
+    """MAX_BATCH specs, each refused with a long message (an unknown key of 250 two-byte
+    characters, echoed in message and field): in full, ~11 MB of errors, past the frame limit, and the whole batch
+    was answered ``internal`` (found by review). Past a budget of error text, each error keeps
+    its code and a short message and field; the valid spec among them is created."""
+    key = "é" * 250
+    base: dict[str, Any] = {"task": {"shell": "true"}}
+    specs = [
+        {**base, "id": f"j-{i}", "schedule": {"every": "1h", key: 1}} for i in range(MAX_BATCH)
+    ]
+    specs[-1] = {**base, "id": "j-good", "schedule": EVERY}
+
+    async def body(port: int) -> None:
+        async with Client.connect(HOST, port, timeout_s=60, reconnect=False) as client:
+            results = (await client.request("job.create_many", {"specs": specs}))["results"]
+            *bad, good = results
+            assert good["ok"] and good["result"]["job_id"] == "j-good"
+            assert all(r["error"]["code"] == "invalid_schedule" for r in bad)
+            assert key in bad[0]["error"]["message"]  # the first ones in full
+            assert len(bad[-1]["error"]["message"]) <= 100  # the last ones short
+            assert (await client.get("j-good"))["spec"]["id"] == "j-good"
+
+    run_with_node(tmp_path, body)
+
+
 def test_a_bad_job_spec_is_a_typed_error_naming_the_field(tmp_path: Path) -> None:
     base: dict[str, Any] = {"id": "j-self", "schedule": EVERY, "task": {"shell": "true"}}
 
