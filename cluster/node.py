@@ -1729,6 +1729,19 @@ class Node:
                     f"job {job_id!r} is at version {base}, not {if_version}",
                     field="if_version",
                 )
+            else:
+                # The store is behind the caller's version: wait for it only if the engine
+                # holds that very version (not durable yet; its answer comes once it is). A
+                # version nobody made is a conflict at once: waiting UPDATE_MERGE_S for it
+                # outlasted the client's own timeout, which then said `timeout` instead
+                # (found by review).
+                held = _unwrap(await host.request(lambda rid: GetJob(rid, job_id)))["version"]
+                if held != if_version:
+                    raise VersionConflict(
+                        f"job {job_id!r} is at version {held}, not {if_version}",
+                        field="if_version",
+                    )
+                continue  # its write is durable now: merge into it
             # A newer version is on its way to the disk (the store has only durable ones):
             # merge into it once it is there.
             await trio.sleep(UPDATE_RETRY_S)

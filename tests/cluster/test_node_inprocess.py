@@ -643,6 +643,14 @@ def test_concurrent_partial_updates_of_one_job_all_count(tmp_path: Path) -> None
         assert caught.value.code == "conflict" and caught.value.field == "if_version"
         done = await client.update("multi", {"tier": "cpu"}, if_version=4)
         assert done["version"] == 5
+        # A version nobody made yet is a conflict at once: the node waited 10 s for it, the
+        # client's own timeout, which then said `timeout` (found by review).
+        started = trio.current_time()
+        with pytest.raises(RemoteError) as caught:
+            await client.update("multi", {"tier": "cpu"}, if_version=9)
+        assert caught.value.code == "conflict" and caught.value.field == "if_version"
+        assert trio.current_time() - started < 2
+        assert (await client.get("multi"))["version"] == 5
         with pytest.raises(RemoteError) as caught:
             await client.update("multi", {"tier": "x"}, if_version=0)
         assert caught.value.code == "bad_args"
