@@ -205,6 +205,12 @@ async def created_as_sent(client: Client, spec: dict[str, Any]) -> dict[str, Any
     return job if isinstance(stored, dict) and same_spec(spec, stored) else None
 
 
+def _replaces(spec: object) -> bool:
+    """Whether ``spec`` is a create that replaces a live job of its id (``replace: true``):
+    such a create is never answered ``exists``, so a second attempt would apply it again."""
+    return isinstance(spec, dict) and spec.get("replace") is True
+
+
 def parse_address(text: str) -> tuple[str, int]:
     """``HOST:PORT`` -> (host, port), an IPv6 host in brackets (``[::1]:7070``) or bare
     (``::1:7070``, the last colon ends it); raises :class:`ClientError` on anything else."""
@@ -495,6 +501,16 @@ class Client:
                     if trio.current_time() >= deadline:
                         raise
             if scope.cancelled_caught:
+                if self._outbox is None and self.reconnect and not self._closed:
+                    # Waiting for a reconnect the whole time left: the connection is what
+                    # failed, not the node's answer (found by review: a node that stayed
+                    # away gave `timeout`, where the protocol promises `connection_lost`).
+                    why = self.last_connect_error
+                    raise ConnectionLost(
+                        f"{op}: connection to {self.host}:{self.port} lost and not made again "
+                        f"within {timeout_s or self.timeout_s} s"
+                        + (f": {connect_reason(why)}" if why is not None else "")
+                    ) from None
                 raise RequestTimeout(
                     f"{op}: no reply within {timeout_s or self.timeout_s} s"
                 ) from None
@@ -606,6 +622,8 @@ class Client:
         """
         if isinstance(spec, dict) and "id" not in spec:  # (not a map: the node refuses it)
             spec = {**spec, "id": new_job_id(int(time.time() * 1000), os.urandom(10))}
+        if _replaces(spec):
+            return await self._create_replacing(spec)
         sent_on: list[int] = []
         try:
             result: dict[str, Any] = await self.request(
@@ -623,9 +641,52 @@ class Client:
             return job  # our own create, whose reply was lost with its connection
         return result
 
+    async def _create_replacing(self, spec: dict[str, Any]) -> dict[str, Any]:
+        """:meth:`create` of a spec with ``replace``: sent once. Sent again after a broken
+        connection, an earlier attempt that was applied would be applied twice (one more
+        version; an ``every`` without ``start`` restarted, its next fire moved: found by
+        review), and a replace never answers ``exists``. So the job is read back first: when
+        it holds the spec sent, that is the result; else the create is sent again. (An
+        earlier attempt still on its way to the node while the job is read back can still
+        land after the retry, as for :meth:`update`.)"""
+        deadline = trio.current_time() + self.timeout_s
+        while True:
+            try:
+                result: dict[str, Any] = await self.request(
+                    "job.create",
+                    {"spec": spec},
+                    timeout_s=max(deadline - trio.current_time(), 0.001),
+                    retry=False,
+                )
+                return result
+            except ConnectionLost:
+                if not self.reconnect or self._closed:
+                    raise
+            held = await self._replace_held(spec, deadline)
+            if held is not None:
+                return held
+
+    async def _replace_held(self, spec: dict[str, Any], deadline: float) -> dict[str, Any] | None:
+        """The job ``spec`` names, less its spec, if it holds ``spec`` (a replacing create of
+        it was applied); None when it does not, or does not exist. Waits for the connection
+        until ``deadline`` (then :class:`RequestTimeout`)."""
+        left = deadline - trio.current_time()
+        if left <= 0:
+            raise RequestTimeout(f"job.create: no reply within {self.timeout_s} s")
+        try:
+            job = await self.request("job.get", {"id": spec["id"]}, timeout_s=left)
+        except RemoteError as exc:
+            if exc.code == "not_found":
+                return None
+            raise
+        stored = job.pop("spec", None)
+        return dict(job) if isinstance(stored, dict) and same_spec(spec, stored) else None
+
     async def create_many(self, specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Create jobs in one request; per spec ``{"ok", "result"}`` or ``{"ok", "error"}``
-        (an entry that is not a map is sent as it is: the node answers ``bad_args`` for it)."""
+        (an entry that is not a map is sent as it is: the node answers ``bad_args`` for it).
+        A batch holding a spec with ``replace`` is sent again after a broken connection only
+        for the specs whose jobs do not hold them yet, as :meth:`create` does for one."""
         now = int(time.time() * 1000)
         specs = [
             {**s, "id": new_job_id(now, os.urandom(10))}
@@ -633,6 +694,8 @@ class Client:
             else s
             for s in specs
         ]
+        if any(_replaces(s) for s in specs):
+            return await self._create_many_replacing(specs)
         sent_on: list[int] = []
         result = await self.request("job.create_many", {"specs": specs}, sent_on=sent_on)
         results = list(result["results"])
@@ -661,6 +724,44 @@ class Client:
             if job is not None:
                 results[i] = {"ok": True, "result": job}
         return results
+
+    async def _create_many_replacing(self, specs: list[Any]) -> list[dict[str, Any]]:
+        """:meth:`create_many` of a batch with a replacing spec: sent once; after a broken
+        connection, every spec whose job already holds it (its earlier attempt applied it)
+        is settled as created, and the rest are sent again, until the timeout."""
+        deadline = trio.current_time() + self.timeout_s
+        results: list[dict[str, Any] | None] = [None] * len(specs)
+        todo = list(range(len(specs)))
+        while True:
+            try:
+                reply = await self.request(
+                    "job.create_many",
+                    {"specs": [specs[i] for i in todo]},
+                    timeout_s=max(deadline - trio.current_time(), 0.001),
+                    retry=False,
+                )
+            except ConnectionLost:
+                if not self.reconnect or self._closed:
+                    raise
+            else:
+                for i, entry in zip(todo, reply["results"], strict=True):
+                    results[i] = entry
+                return [r for r in results if r is not None]
+            left, seen = [], set()
+            for i in todo:
+                spec = specs[i]
+                job_id = spec.get("id") if isinstance(spec, dict) else None
+                # An id standing twice: its first entry is the one that may have made it.
+                if isinstance(job_id, str) and job_id not in seen:
+                    seen.add(job_id)
+                    held = await self._replace_held(spec, deadline)
+                    if held is not None:
+                        results[i] = {"ok": True, "result": held}
+                        continue
+                left.append(i)
+            todo = left
+            if not todo:
+                return [r for r in results if r is not None]
 
     async def update(
         self, job_id: str, changes: dict[str, Any], *, if_version: int | None = None

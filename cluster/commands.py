@@ -595,9 +595,23 @@ async def submit_lines(
         part[0].error = why
         return None
 
+    async def replaced_before(line: SubmitLine) -> bool:
+        """Whether ``line`` replaces a job (``replace: true``) and its job holds the line's
+        spec already: an earlier attempt of this command applied it."""
+        if line.spec.get("replace") is not True or first_line_of.get(line.job_id) != line.number:
+            return False
+        try:
+            return await created_as_sent(client, line.spec) is not None
+        except ClientError:
+            return False
+
     async def attempt(part: list[SubmitLine]) -> None:
         nonlocal answered_at
         specs = [line.spec for line in part]
+        # A replacing create is never answered `exists`: sent again after a lost reply, it
+        # would be applied twice (one more version, an `every` restarted: found by review).
+        # Such a batch is sent once a try, and what an earlier try applied is not sent again.
+        replacing = any(line.spec.get("replace") is True for line in part)
         maybe_sent = False
         failure = ""
         for _try in range(tries):
@@ -607,11 +621,22 @@ async def submit_lines(
             sent_on: list[int] = []
             try:
                 reply = await client.request(
-                    "job.create_many", {"specs": specs}, timeout_s=timeout_s, sent_on=sent_on
+                    "job.create_many",
+                    {"specs": specs},
+                    timeout_s=timeout_s,
+                    sent_on=sent_on,
+                    retry=not replacing,
                 )
             except (RequestTimeout, ConnectionLost) as exc:
                 maybe_sent = maybe_sent or bool(sent_on)
                 failure = f"{exc.code}: {exc}"
+                if replacing and sent_on:
+                    if isinstance(exc, ConnectionLost):
+                        await trio.sleep(0.05)  # (a reconnect is under way)
+                    part = [line for line in part if not await replaced_before(line)]
+                    specs = [line.spec for line in part]
+                    if not part:
+                        return
                 continue
             except RequestNotSendable as exc:
                 halves = split(part, f"{exc.code}: {exc}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -337,3 +338,88 @@ def test_a_create_many_entry_after_a_refused_one_of_its_id_reports_its_create(
         assert results[1]["ok"] and results[1]["result"]["job_id"] == "later"
 
     run_with_proxy(tmp_path, body)
+
+
+def test_a_replacing_create_whose_reply_was_lost_is_applied_once(tmp_path: Path) -> None:
+    """A create with ``replace`` is never answered ``exists``: sent again after its reply was
+    lost, it replaced the job a second time (version 3, and an ``every`` without ``start``
+    restarted: found by review). The job is read back first; it holds the spec: once."""
+
+    async def body(client: Client, direct: Client, proxy: Proxy) -> None:
+        await direct.create({"id": "r", **SPEC_OTHER})
+        every = {"schedule": {"every": "1h"}, "task": {"shell": "echo MINE"}, "replace": True}
+        proxy.on_create = "lose_reply"
+        job = await client.create({"id": "r", **every})
+        assert client.generation == 2
+        assert job["job_id"] == "r" and job["version"] == 2 and "spec" not in job
+        assert (await direct.get("r"))["version"] == 2
+        # never arrived: sent again, and made
+        proxy.drop_of = b"job.create"
+        job = await client.create({"id": "r", **SPEC_OTHER, "replace": True})
+        assert job["version"] == 3
+        assert (await direct.get("r"))["spec"]["task"]["shell"] == "echo OTHER"
+
+    run_with_proxy(tmp_path, body)
+
+
+def test_a_create_many_with_replacing_specs_whose_reply_was_lost_applies_each_once(
+    tmp_path: Path,
+) -> None:
+    async def body(client: Client, direct: Client, proxy: Proxy) -> None:
+        await direct.create({"id": "r1", **SPEC_OTHER})
+        await direct.create({"id": "taken", **SPEC_OTHER})
+        proxy.lose_reply_of = b"job.create_many"
+        results = await client.create_many(
+            [
+                {"id": "r1", **SPEC_MINE, "replace": True},
+                {"id": "new", **SPEC_MINE},
+                {"id": "taken", **SPEC_MINE},
+            ]
+        )
+        assert client.generation == 2
+        assert [r["ok"] for r in results] == [True, True, False]
+        assert results[0]["result"]["version"] == 2 and "spec" not in results[0]["result"]
+        assert results[1]["result"]["job_id"] == "new"
+        assert results[2]["error"]["code"] == "exists"  # someone else's job stays theirs
+        assert (await direct.get("r1"))["version"] == 2
+        assert (await direct.get("new"))["version"] == 1
+        assert (await direct.get("taken"))["spec"]["task"]["shell"] == "echo OTHER"
+
+    run_with_proxy(tmp_path, body)
+
+
+def test_a_node_that_stays_away_is_connection_lost_not_timeout(tmp_path: Path) -> None:
+    """With reconnect on, a request that waited its whole time for a connection that never
+    came back raised ``timeout`` (found by review); the protocol promises
+    ``connection_lost``, naming why the connection could not be made."""
+    from cluster.client import ConnectionLost
+
+    async def main() -> None:
+        node = Node(tmp_path / "data", shards=1)
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                port = await nursery.start(node.run)
+                proxy = Proxy(port)
+                serving = trio.CancelScope()
+
+                async def serve(task_status: trio.TaskStatus[Any]) -> None:
+                    with serving:
+                        await trio.serve_tcp(
+                            proxy.handle, 0, host="127.0.0.1", task_status=task_status
+                        )
+
+                listeners = await nursery.start(serve)
+                proxy_port = listeners[0].socket.getsockname()[1]
+                async with Client.connect("127.0.0.1", proxy_port, timeout_s=1.5) as client:
+                    await client.request("ping", {})
+                    serving.cancel()  # the listener goes, and the connection with it
+                    proxy.cut_now()
+                    await trio.sleep(0.1)
+                    started = trio.current_time()
+                    with pytest.raises(ConnectionLost) as caught:
+                        await client.request("ping", {})
+                    assert trio.current_time() - started < 3
+                    assert "not made again" in str(caught.value)
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)

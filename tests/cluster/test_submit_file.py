@@ -155,6 +155,7 @@ class LosingClient:
         *,
         timeout_s: float | None = None,
         sent_on: list[int] | None = None,
+        retry: bool = True,
     ) -> Any:
         assert op == "job.create_many"
         self.requests += 1
@@ -220,6 +221,7 @@ class ScriptedClient(LosingClient):
         *,
         timeout_s: float | None = None,
         sent_on: list[int] | None = None,
+        retry: bool = True,
     ) -> Any:
         from cluster.client import ConnectionLost, RemoteError, RequestNotSendable
 
@@ -303,3 +305,43 @@ def test_a_failed_check_of_an_existing_job_leaves_its_line_unconfirmed() -> None
     fake = NoGet(lose=1, existing={})
     lines = trio.run(lambda: submit_lines(fake, [(1, {**spec, "id": "given"})]))  # type: ignore[arg-type]
     assert lines[0].unconfirmed and lines[0].error and "unknown" in lines[0].error
+
+
+def test_a_replacing_line_whose_reply_was_lost_is_applied_once() -> None:
+    """A ``replace`` create is never answered ``exists``, so sending its batch again after a
+    lost reply replaced the job a second time (found by review). The lines whose jobs hold
+    their specs already are not sent again; the others are."""
+    from cluster.client import ConnectionLost
+
+    spec = {"schedule": FAR, "task": {"shell": "true"}}
+
+    class Replacing(LosingClient):
+        def __init__(self) -> None:
+            super().__init__(lose=1, existing={"r": {**spec, "id": "r", "paused": True}})
+            self.versions = {"r": 1}
+            self.sent: list[list[str]] = []
+
+        async def request(self, op: str, args: dict[str, Any], **kw: Any) -> Any:
+            assert kw.get("retry") is False  # the client's own retry would apply it again
+            self.requests += 1
+            kw["sent_on"].append(self.requests)
+            self.sent.append([s["id"] for s in args["specs"]])
+            results = []
+            for one in args["specs"]:
+                if one["id"] in self.jobs and not one.get("replace"):
+                    error = {"code": "exists", "message": "taken", "field": "id"}
+                    results.append({"ok": False, "error": error})
+                    continue
+                self.jobs[one["id"]] = one
+                self.versions[one["id"]] = self.versions.get(one["id"], 0) + 1
+                results.append({"ok": True, "result": {"job_id": one["id"]}})
+            if self.requests == self.lose:
+                raise ConnectionLost("connection lost (reconnect pending)")
+            return {"results": results}
+
+    fake = Replacing()
+    numbered = [(1, {**spec, "id": "r", "replace": True}), (2, {**spec, "id": "n"})]
+    lines = trio.run(lambda: submit_lines(fake, numbered, batch=10))  # type: ignore[arg-type]
+    assert [line.error for line in lines] == [None, None]
+    assert fake.versions == {"r": 2, "n": 1}
+    assert fake.sent == [["r", "n"], ["n"]]  # the replace was not sent again
