@@ -292,9 +292,14 @@ def _decode(body: bytes, budget: int | None = None) -> Message | ProtocolError:
         if isinstance(error, ValueError) and "exceeds max_" in str(error):
             # msgpack's own limit check ("N exceeds max_array_len(M)"), before it allocates
             return ProtocolError(
-                "container_too_large", f"frame holds a list or map over the limit: {error}"
+                "container_too_large",
+                f"frame holds a list or map over the limit: {error}",
+                _request_id(body),
             )
-        return ProtocolError("malformed", f"frame is not valid msgpack: {error}")
+        # With the request's id when it can be read (a whole frame whose args are at fault):
+        # an error without one reaches no request, and its sender waited out its timeout
+        # instead (found by review).
+        return ProtocolError("malformed", f"frame is not valid msgpack: {error}", _request_id(body))
     if not isinstance(message, dict):
         return ProtocolError("malformed", f"a message is a map, got {type(message).__name__}")
     request_id = message.get("id")

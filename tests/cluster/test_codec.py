@@ -125,7 +125,9 @@ def test_a_list_or_map_longer_than_any_message_needs_is_refused_before_it_is_bui
     )
     events = drain(decoder)
     assert [getattr(e, "code", None) for e in events[:2]] == ["container_too_large"] * 2
-    assert isinstance(events[0], ProtocolError) and events[0].request_id is None
+    # (the first names its request: its id comes before the list; the second has none)
+    assert isinstance(events[0], ProtocolError) and events[0].request_id == 1
+    assert isinstance(events[1], ProtocolError) and events[1].request_id is None
     assert events[2] == {"id": 2, "x": [None] * MAX_ARRAY_LEN}
 
 

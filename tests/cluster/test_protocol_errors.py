@@ -145,8 +145,10 @@ def test_malformed_frames_get_typed_errors_and_the_connection_carries_on(tmp_pat
         for frame_body in bodies:
             await raw.send_body(frame_body)
             reply = await raw.receive()
-            # The request id cannot be trusted from a frame that is not a message.
-            assert reply["id"] is None
+            # No request id from a frame that is not a map, or whose id is not an integer;
+            # a whole map with an integer id (the last) is answered under it, so that its
+            # sender is not left waiting.
+            assert reply["id"] == (3 if frame_body is bodies[-1] else None), frame_body
             assert error_of(reply) == ("malformed", None), frame_body
         # The same connection still works.
         reply = await raw.call("ping")
@@ -715,5 +717,26 @@ def test_a_peer_that_resets_its_connection_harms_no_one(tmp_path: Path) -> None:
             await trio.sleep(0.05)
         assert (await other.call("ping"))["ok"] is True
         await other.aclose()
+
+    run_with_node(tmp_path, body)
+
+
+def test_frame_errors_of_a_readable_request_carry_its_id(tmp_path: Path) -> None:
+    """A list over the container limit, or a map key msgpack refuses (an int), inside a
+    request's args: the node's ``container_too_large`` and ``malformed`` errors had id null,
+    the client could pair them with nothing, and its request timed out (found by review).
+    They carry the request's id now: a typed error at once."""
+
+    async def body(port: int) -> None:
+        async with Client.connect(HOST, port, timeout_s=10, reconnect=False) as client:
+            for payload, code in (([0] * 300_000, "container_too_large"), ({1: "a"}, "malformed")):
+                started = trio.current_time()
+                with pytest.raises(RemoteError) as caught:
+                    await client.create(
+                        {"id": "j", "schedule": EVERY, "task": {"payload": payload}}
+                    )
+                assert caught.value.code == code
+                assert trio.current_time() - started < 5
+            assert (await client.request("ping", {}))["shards"] >= 1  # the connection carries on
 
     run_with_node(tmp_path, body)
