@@ -30,6 +30,7 @@ from cluster.client import (
     connect_reason,
     parse_address,
 )
+from cluster.protocol import MAX_WORKER_SLOTS
 
 # Wide when piped, so that run ids are never cut in a log or a demo transcript.
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
@@ -1162,6 +1163,8 @@ def work(args: argparse.Namespace) -> int:
     tiers = tuple(args.tier or ["default"])
     if not all(tiers):
         return refuse("--tier: a tier name must not be empty")
+    if args.slots > MAX_WORKER_SLOTS:
+        return refuse(f"--slots: at most {MAX_WORKER_SLOTS:,}")
     try:
         drain_s = seconds(args.drain, "--drain")
         connect_timeout_s = seconds(args.connect_timeout, "--connect-timeout")

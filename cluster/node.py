@@ -46,6 +46,7 @@ from cluster.codec import DEFAULT_MAX_FRAME, FrameDecoder, Message, ProtocolErro
 from cluster.protocol import (
     MAX_BATCH,
     MAX_LIMIT,
+    MAX_WORKER_SLOTS,
     REPORT_ARGS,
     BadArgs,
     Request,
@@ -1936,8 +1937,8 @@ class Node:
         if not tiers or not all(isinstance(t, str) and t for t in tiers):
             raise BadArgs("tiers: a non-empty list of tier names", None, "tiers")
         slots = args["slots"]
-        if slots < 0:
-            raise BadArgs("slots: must be >= 0", None, "slots")
+        if not 0 <= slots <= MAX_WORKER_SLOTS:
+            raise BadArgs(f"slots: must be in 0..{MAX_WORKER_SLOTS}", None, "slots")
         held = _held(args.get("held", []))
         instance = args.get("instance", "")
         if len(instance) > 200:
@@ -1994,8 +1995,8 @@ class Node:
         session = conn.worker
         assert session is not None
         credits = args["credits"]
-        if credits < 0:
-            raise BadArgs("credits: must be >= 0", None, "credits")
+        if not 0 <= credits <= MAX_WORKER_SLOTS:
+            raise BadArgs(f"credits: must be in 0..{MAX_WORKER_SLOTS}", None, "credits")
         session.free = credits
         for host in self.hosts:
             host.credits_changed_for(session.worker_id)
@@ -2032,8 +2033,8 @@ class Node:
         if len(reports) > MAX_BATCH:
             raise BadArgs(f"reports: at most {MAX_BATCH} per request", None, "reports")
         credits = args.get("credits")
-        if credits is not None and credits < 0:
-            raise BadArgs("credits: must be >= 0", None, "credits")
+        if credits is not None and not 0 <= credits <= MAX_WORKER_SLOTS:
+            raise BadArgs(f"credits: must be in 0..{MAX_WORKER_SLOTS}", None, "credits")
         commands = [_finished_report(session.worker_id, i, r) for i, r in enumerate(reports)]
         shards = []
         for i, command in enumerate(commands):
@@ -2263,8 +2264,11 @@ def _seen(raw: list[Any], shards: int) -> list[int]:
 
 
 def _held(raw: list[Any]) -> tuple[tuple[str, int], ...]:
+    # Read whole (the codec bounds a list): the worker's own list of what it runs. Cut at
+    # 10,000, the runs past the cut counted as lost, and a worker holding more had them
+    # handed out again at every heartbeat while they ran (found by review).
     out: list[tuple[str, int]] = []
-    for i, item in enumerate(raw[:MAX_LIMIT]):
+    for i, item in enumerate(raw):
         if (
             not isinstance(item, list)
             or len(item) != 2

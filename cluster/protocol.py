@@ -88,6 +88,9 @@ WORKER_OPS: Final = frozenset(op for op in OPS if op.startswith("worker.") and o
 
 MAX_LIMIT: Final = 10_000  # largest page of a list, history or log read
 MAX_BATCH: Final = 10_000  # most specs in one job.create_many
+#: most slots (credits) one worker may offer: its held runs, every one of which each hello
+#: and heartbeat announces, then stay far below the codec's list limit (262,144)
+MAX_WORKER_SLOTS: Final = 10_000
 
 
 _TOP_KEYS: Final = frozenset(("id", "op", "args"))

@@ -55,6 +55,7 @@ from cluster.client import (
     RequestNotSendable,
     connect_reason,
 )
+from cluster.protocol import MAX_WORKER_SLOTS
 from cluster.runner import CHUNK_BYTES, RunHandle, TaskNotRunnable, run_task
 from cluster.watchdog_link import WatchdogLink
 from engine.effects import RunTicket
@@ -256,8 +257,8 @@ class WorkerAgent:
         watchdog: bool = True,
         id_in_use_patience_s: float | None = None,
     ) -> None:
-        if slots < 1:
-            raise ValueError(f"slots must be >= 1, got {slots}")
+        if not 1 <= slots <= MAX_WORKER_SLOTS:
+            raise ValueError(f"slots must be in 1..{MAX_WORKER_SLOTS}, got {slots}")
         if not kill_grace_s >= 0:  # (a NaN too) here, not at the first timeout, ending the agent
             raise ValueError(f"kill_grace_s must be >= 0, got {kill_grace_s}")
         self.host, self.port = host, port
@@ -941,10 +942,9 @@ class WorkerAgent:
                             await on_output("stderr", line.encode())
                     held.scope = None
             else:
-                # "mark": the node records TIMED_OUT; the task runs on to its own end.
-                local = ticket._replace(timeout_ms=None) if ticket.on_timeout == "mark" else ticket
+                # ("mark": run_task leaves the task running past its timeout.)
                 result = await run_task(
-                    local,
+                    ticket,
                     on_output=on_output,
                     handle=held.handle,
                     kill_grace_s=self.kill_grace_s,

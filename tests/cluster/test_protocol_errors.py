@@ -230,6 +230,7 @@ BAD_ARGS: list[tuple[str, dict[str, Any], str]] = [
     ("worker.hello", {"worker_id": "w", "tiers": [], "slots": 1}, "tiers"),
     ("worker.hello", {"worker_id": "w", "tiers": [7], "slots": 1}, "tiers"),
     ("worker.hello", {"worker_id": "w", "tiers": ["default"], "slots": -1}, "slots"),
+    ("worker.hello", {"worker_id": "w", "tiers": ["default"], "slots": 10_001}, "slots"),
     ("worker.hello", {"worker_id": "w", "tiers": ["d"], "slots": 1, "held": [["r@1"]]}, "held[0]"),
 ]
 
@@ -740,3 +741,17 @@ def test_frame_errors_of_a_readable_request_carry_its_id(tmp_path: Path) -> None
             assert (await client.request("ping", {}))["shards"] >= 1  # the connection carries on
 
     run_with_node(tmp_path, body)
+
+
+def test_a_hello_announces_every_run_it_holds_however_many() -> None:
+    """``held`` was cut at 10,000 entries, and the runs after the cut counted as lost: a
+    worker holding more had them handed out again at every heartbeat while they still ran
+    (found by review). The list is read whole; slots are bounded instead."""
+    from cluster.node import _held
+    from cluster.protocol import MAX_WORKER_SLOTS
+    from cluster.worker import WorkerAgent
+
+    held = [[f"j{i}@1", i] for i in range(MAX_WORKER_SLOTS + 500)]
+    assert len(_held(held)) == len(held)
+    with pytest.raises(ValueError, match="slots"):
+        WorkerAgent("127.0.0.1", 1, slots=MAX_WORKER_SLOTS + 1)
