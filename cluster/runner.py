@@ -417,17 +417,27 @@ def spawn_failure(
     program: str,
     cwd: str | None,
     *,
+    path: str | None = None,
     exists: Callable[[str], bool] = os.path.exists,
 ) -> tuple[int, str]:
     """The exit code and message for a process that could not be started: 127 when the program
     does not exist, 126 when it exists but cannot be executed (permissions, not a regular
     executable, a ``#!`` interpreter that does not exist, a missing working directory).
-    ``exists`` tells a missing program from a missing interpreter, for a path with a ``/``."""
+    ``exists`` tells a missing program from a missing interpreter, looked for as the spawn
+    looked for it: a path with a ``/`` from ``cwd``, a bare name in each directory of
+    ``path`` (the task's ``PATH``; :data:`os.defpath` when None)."""
     reason = err.strerror or str(err)
     if cwd is not None and err.filename == cwd and err.filename != program:
         return _CANNOT_EXECUTE, f"cannot change to the working directory {cwd!r}: {reason}"
     if isinstance(err, FileNotFoundError):
-        if "/" in program and exists(program):
+        # (Checked from the worker's directory, and for paths with a "/" only, a script
+        # found on PATH or relative to its cwd was "command not found": found by review.)
+        if "/" in program:
+            found = exists(program if cwd is None else os.path.join(cwd, program))
+        else:
+            dirs = (os.defpath if path is None else path).split(os.pathsep)
+            found = any(exists(os.path.join(d or ".", program)) for d in dirs)
+        if found:
             # execve says ENOENT for the interpreter of a script, not for the script.
             return _CANNOT_EXECUTE, f"{program}: cannot execute (bad interpreter: {reason})"
         return _NOT_FOUND, f"{program}: command not found ({reason})"
@@ -693,7 +703,8 @@ async def run_task(
     lock serialises the two streams), and a slow ``on_output`` slows the task through its full
     pipe rather than costing memory here.
 
-    Stop sequence, on ``ticket.timeout_ms`` (measured from the spawn) or ``handle.kill()``:
+    Stop sequence, on ``ticket.timeout_ms`` (measured from the spawn; not with
+    ``on_timeout`` ``mark``, whose task runs on) or ``handle.kill()``:
     SIGTERM to the whole group; once the main process and every other member have exited, or
     after ``kill_grace_s``, SIGKILL to the group. When the main process ends on its own, any
     member of its group still running gets the same sequence (nothing the task started in its
@@ -760,7 +771,7 @@ async def run_task(
     except OSError as err:
         if guard is not None:
             guard.done(key)
-        code, message = spawn_failure(err, plan.argv[0], plan.cwd)
+        code, message = spawn_failure(err, plan.argv[0], plan.cwd, path=plan.env.get("PATH"))
         await out.notice(message)
         return out.outcome("failed", code, started, reason=message)
     except BaseException:
@@ -953,7 +964,10 @@ async def _supervise(
         with body:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(read_all)
-                stop = await _wait_exit_or_stop(proc, handle, ticket.timeout_ms)
+                # on_timeout "mark": the node records TIMED_OUT; the task runs on to its own
+                # end (its environment still says its timeout: TICKWHEEL_TIMEOUT_MS).
+                enforced = None if ticket.on_timeout == "mark" else ticket.timeout_ms
+                stop = await _wait_exit_or_stop(proc, handle, enforced)
                 if stop is not None or await _group_alive_async(pgid):
                     sigkill = await _stop_group(proc, pgid, grace_s, handle)
                 returncode = await proc.wait()

@@ -355,6 +355,24 @@ class TestSpawnFailure:
         assert code == 126 and "bad interpreter" in message
         assert spawn_failure(err, "/opt/job.sh", None, exists=lambda p: False)[0] == 127
 
+    def test_a_script_found_on_path_or_from_its_cwd_whose_interpreter_is_missing(
+        self, tmp_path: Path
+    ) -> None:
+        """Only a path with a ``/`` was looked at, from the worker's directory: such a script
+        found on the task's PATH, or relative to its cwd, was 'command not found' (found by
+        review). A real script with a missing interpreter, run both ways."""
+        script = tmp_path / "badint"
+        script.write_text("#!/nonexistent/interpreter\necho hi\n")
+        script.chmod(0o755)
+        on_path = ticket({"command": ["badint"], "env": {"PATH": f"/usr/bin:{tmp_path}"}})
+        from_cwd = ticket({"command": ["./badint"], "cwd": str(tmp_path)})
+        for t in (on_path, from_cwd):
+            outcome, out = run(t)
+            assert (outcome.outcome, outcome.exit_code) == ("failed", 126), out.text("stderr")
+            assert "bad interpreter" in out.text("stderr")
+        missing = ticket({"command": ["nope-not-here"], "env": {"PATH": str(tmp_path)}})
+        assert run(missing)[0].exit_code == 127
+
     def test_not_executable(self) -> None:
         denied = PermissionError(errno.EACCES, "Permission denied", "/etc/passwd")
         assert spawn_failure(denied, "/etc/passwd", None)[0] == 126
@@ -541,6 +559,16 @@ class TestTimeout:
         assert 0.2 <= outcome.duration_s < 0.2 + GRACE + 1.5
         assert out.text("stderr").startswith("tickwheel: stopped (timed out after 200 ms)")
         assert outcome.stderr_bytes == len(out.text("stderr"))
+
+    def test_a_mark_task_runs_past_its_timeout_and_still_sees_it(self) -> None:
+        """``on_timeout: mark``: the node records TIMED_OUT and the task runs on. The worker
+        used to run it from a ticket without its timeout, so TICKWHEEL_TIMEOUT_MS was
+        missing, which docs/tasks.md promises for every job with one (found by review)."""
+        t = ticket(
+            {"shell": 'sleep 0.4; echo "$TICKWHEEL_TIMEOUT_MS"'}, timeout_ms=100, on_timeout="mark"
+        )
+        outcome, out = run(t)
+        assert outcome.outcome == "success" and out.text("stdout") == "100\n"
 
     # Timeouts below leave the shell ample time (0.5 s and more) to set its traps first, so a
     # loaded machine does not turn "ignores TERM" into "died before the trap was set".
