@@ -179,9 +179,13 @@ class RocksLogStore:
             raise StoreUsageError(f"log data must be bytes, got {type(data).__name__}")
         if not 0 <= attempt < 1 << 32:
             raise StoreUsageError(f"attempt {attempt} out of range")
-        if offset is not None and offset < 0:
-            raise StoreUsageError(f"offset {offset} out of range")
         data = bytes(data)
+        if offset is not None and not 0 <= offset <= (1 << 63) - 1 - len(data):
+            # (past 63 bits the stored counts cannot be encoded: found by review, an
+            # OverflowError answered as the node's own bug)
+            raise StoreUsageError(
+                f"offset {offset} out of range (0..2**63-1 less the data's {len(data)} bytes)"
+            )
         if not data:
             return
         head_cap, tail_cap = self.limits.head_bytes, self.limits.tail_bytes

@@ -142,6 +142,10 @@ def test_a_chunk_sent_again_with_its_offset_is_stored_once(store: ShardStore) ->
     assert got == {1: b"first\noops\nabcdefx", 2: b"first\n"}
     with pytest.raises(StoreUsageError):
         logs.append(8, T0, "stdout", b"y", offset=-1)
+    # past 63 bits with its data: an OverflowError (the node's `internal`) before
+    for offset in (2**63 - 1, 2**64 - 1):
+        with pytest.raises(StoreUsageError):
+            logs.append(8, T0, "stdout", b"y", offset=offset)
 
 
 _OPS = st.lists(
