@@ -125,6 +125,8 @@ _SETBACK_POLL_MS = 1000
 #: rounded to the ms, makes their offset wander by a millisecond or so all the time, and the
 #: poll is not for that (a correction this small seen late delays a fire by as much)
 _SETBACK_NOISE_MS = 50
+#: entries of ShardEngine._trigger_at past which those already in the past are dropped
+_TRIGGER_AT_PRUNE = 1024
 #: how long after the wall clock was set back a step forward back to where it was is taken for
 #: a correction rather than a jump (ms)
 _SETBACK_MEMORY_MS = 600_000
@@ -1164,6 +1166,8 @@ class ShardEngine:
                 self._replay_epoch = max(self._replay_epoch, r["epoch"])
         elif kind == "skip" and r.get("src") is not None:
             self._remember_source(r["src"], (r["key"], r["lo"]))
+            if recovering:
+                self._note_trigger_at(r["key"], r["lo"])
         elif kind == "note" and recovering and r.get("what") != "started":
             # A report of a run already final: a marked task's end ends its mark (as live,
             # see _matching).
@@ -1300,6 +1304,9 @@ class ShardEngine:
                 run.pinned = r["spec"]
             if run.source is not None:
                 self._remember_source(run.source, ref)
+                # (a finished triggered run leaves _runs: a trigger after the restart must
+                # still not take its id; found by review)
+                self._note_trigger_at(key, at)
         if state._value_ in FINAL_VALUES:
             self._drop_time(key, at)
             if self._buffered.get(key) == at:
@@ -1520,14 +1527,6 @@ class ShardEngine:
     def _update_job(self, spec: JobSpec, *, as_create: bool) -> dict[str, Any]:
         """The job's new version ``spec``; its description. Raises :class:`JobNotFound`."""
         key = self._job_key(spec.id)
-        self._skip_unfired(key, "updated")  # the new version replaces them
-        old_version = self._ver[key]
-        old_after = self._profile(key).after
-        to_pin = self._runs_to_pin(key)
-        self._unarm(key)
-        self._emit_job(key, old_version + 1, spec)
-        self._pin(key, to_pin, spec.id)
-        self._send_registrations(spec.id, old_after, spec.after)
         # The new version owes its fire times after now (those of the old version up to now
         # were run or skipped); a replacing create owes what a fresh create would. A one-shot
         # time already past is owed by an update as by a create (the caller asked for that
@@ -1536,6 +1535,17 @@ class ShardEngine:
             nxt = self._first_due(spec, key)
         else:
             nxt = spec.schedule.next_after(self._wall)
+        # The new version replaces the old one's unfired times, but for the one it owes
+        # itself: skipped and then run, a one-shot's past time was accounted for twice
+        # (found by review).
+        self._skip_unfired(key, "updated", keep=nxt)
+        old_version = self._ver[key]
+        old_after = self._profile(key).after
+        to_pin = self._runs_to_pin(key)
+        self._unarm(key)
+        self._emit_job(key, old_version + 1, spec)
+        self._pin(key, to_pin, spec.id)
+        self._send_registrations(spec.id, old_after, spec.after)
         self._flags[key] = (self._flags[key] & ~(_ASKED | _LATE_PAUSED)) | self._asked(spec, nxt)
         self._set_next(key, nxt)
         self._persist_pos(key)
@@ -1846,13 +1856,19 @@ class ShardEngine:
             record["src"] = source  # so a redelivered trigger is still recognised
         self._emit(record)
 
-    def _skip_unfired(self, key: int, why: str) -> None:
+    def _skip_unfired(self, key: int, why: str, keep: int | None = None) -> None:
         """Account for fire times owed but not fired yet (paused, or the tier was full) when
-        the job changes under them."""
+        the job changes under them; all but ``keep``, a time the job's new version owes."""
         nxt = self._next_due(key)
         if nxt is not None and nxt <= self._wall:
-            paused = self._flags[key] & _PAUSED
-            self._skip(key, nxt, self._wall, -1, "paused" if paused else why)
+            why = "paused" if self._flags[key] & _PAUSED else why
+            if keep is None or not nxt <= keep <= self._wall:
+                self._skip(key, nxt, self._wall, -1, why)
+                return
+            if nxt < keep:
+                self._skip(key, nxt, keep - 1, -1, why)
+            if keep < self._wall:
+                self._skip(key, keep + 1, self._wall, -1, why)
 
     def _new_run(self, key: int, at: int, source: str | None = None, depth: int = 0) -> _Run | None:
         ref = (key, at)
@@ -1931,7 +1947,7 @@ class ShardEngine:
         )
         if refused is not None:
             at = max(self._wall + 1, self._trigger_at.get(key, 0) + 1)
-            self._trigger_at[key] = at
+            self._note_trigger_at(key, at)
             self._skip(key, at, at, 1, refused, cmd.source_run_id)
             self._reply_after_durable(
                 cmd.request_id, {"run_id": run_id(cmd.job_id, at), "skipped": refused}
@@ -1942,13 +1958,35 @@ class ShardEngine:
         # (those are all at or before now) or owed. It waits until that millisecond.
         at = max(self._wall + 1, self._trigger_at.get(key, 0) + 1)
         nxt = self._next_due(key)
-        while (key, at) in self._runs or at == nxt:
+        schedule = self._profile(key).schedule
+        # Not on any time the schedule still owes either: with the tier full, the next due
+        # time is in the past and the times after it are owed too; a trigger taking one of
+        # them made two runs of one run id (found by review).
+        while (
+            (key, at) in self._runs
+            or at == nxt
+            or (
+                nxt is not None
+                and at > nxt
+                and schedule is not None
+                and schedule.next_after(at - 1) == at
+            )
+        ):
             at += 1
-        self._trigger_at[key] = at
+        self._note_trigger_at(key, at)
         run = self._new_run(key, at, source=cmd.source_run_id, depth=depth)
         if run is not None:
             run.job_id = cmd.job_id
         self._reply_after_durable(cmd.request_id, {"run_id": run_id(cmd.job_id, at)})
+
+    def _note_trigger_at(self, key: int, at: int) -> None:
+        """Remember ``at`` as the newest time given to a triggered run of job ``key`` (run or
+        skipped); forget times already past now, which no new trigger can take anyway (a
+        new one starts after now): bounded by the jobs triggered in the last moments."""
+        self._trigger_at[key] = max(at, self._trigger_at.get(key, 0))
+        if len(self._trigger_at) > _TRIGGER_AT_PRUNE:
+            wall = self._wall
+            self._trigger_at = {k: t for k, t in self._trigger_at.items() if t > wall}
 
     def _remember_source(self, source: str, ref: RunRef) -> None:
         """Remember that job ``ref[0]`` ran (or skipped) a trigger from ``source`` at time
@@ -2627,6 +2665,8 @@ class ShardEngine:
                 # [source run id, target job key, time]: the same triple as before the target
                 # became part of the key, so snapshots of either form load in both.
                 "sources": [[src, key, at] for (key, src), at in self._sources.items()],
+                # [job key, newest triggered time] still ahead of now (older ones bind nothing)
+                "trigger_at": [[k, t] for k, t in self._trigger_at.items() if t > self._wall],
                 # [job key, time, token, worker] of marked runs (_marked), in run order
                 "marked": self._marks_for_snapshot(),
             },
@@ -2692,6 +2732,8 @@ class ShardEngine:
             self._dep_seq[(entry[0], entry[1])] = entry[2]
             if len(entry) > 3:
                 self._dep_off[(entry[0], entry[1])] = entry[3]
+        for key, at in meta.get("trigger_at", ()):  # (absent from older snapshots)
+            self._trigger_at[key] = max(at, self._trigger_at.get(key, 0))
         for src, key, at in meta["sources"]:
             self._sources[(key, src)] = at
         for key, at, token, worker_id in meta.get("marked", ()):  # (absent from older ones)
@@ -2711,6 +2753,13 @@ class ShardEngine:
         """Whether job ``job_id`` is paused. Raises :class:`JobNotFound` as ``GetJob`` would
         (never created, or cancelled). What it says may not be durable yet."""
         return bool(self._flags[self._job_key(job_id)] & _PAUSED)
+
+    def next_owed(self, job_id: str) -> int | None:
+        """The next fire time job ``job_id`` owes: its wheel's, or the one kept while it is
+        paused; None when it owes none. It may be in the past (a paused job's, or one held
+        back by a full tier: it goes at the resume, or when the tier has room). Raises
+        :class:`JobNotFound` as ``GetJob`` would. What it says may not be durable yet."""
+        return self._next_due(self._job_key(job_id))
 
     def waiting_reason(self, rid: str) -> str | None:
         """Why run ``rid``, PENDING and due, has not gone out, if this engine knows a reason
