@@ -1823,6 +1823,7 @@ class Node:
             # As job.get (found by the fourth adversarial pass): a cancelled job is not found,
             # and a paused one says so, its fires waiting for a resume.
             paused = host.engine.paused(job_id)
+            owed = host.engine.next_owed(job_id)
             stored = host.store.job(job_id)
             if stored is None:
                 raise JobNotFound(f"no job {job_id!r}", field="id")
@@ -1830,11 +1831,21 @@ class Node:
         else:
             raise BadArgs("give an id or a schedule", None, "schedule")
         now = wall_ms()
-        # From now on, now included, as a create owes them: an `every` without `start` fires
-        # at its creation, which a preview strictly after now left out (found by review).
-        result = preview(schedule, count, now - 1, job_id=job_id, created_ms=now).to_dict()
-        if job_id is not None and "schedule" not in args:
+        by_id = job_id is not None and "schedule" not in args
+        # A one-shot whose time is past but still owed (paused, or its tier full) fires at
+        # the resume, or once there is room, whatever the policy: shown from that time, not
+        # from now, where it was missing (found by review). Every other schedule from now on,
+        # now included, as a create owes them: an `every` without `start` fires at its
+        # creation, which a preview strictly after now left out (found by review).
+        past_at = by_id and "at" in schedule and owed is not None and owed < now
+        start = owed - 1 if past_at and owed is not None else now - 1
+        result = preview(schedule, count, start, job_id=job_id, created_ms=now).to_dict()
+        if by_id:
             result["paused"] = paused
+            if past_at and result["fires"]:
+                result["fires"][0]["note"] = (
+                    "past: fires at the resume" if paused else "past: fires when its tier has room"
+                )
         return result
 
     # ---- runs

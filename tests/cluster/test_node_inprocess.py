@@ -138,6 +138,14 @@ def test_job_commands_over_the_wire(tmp_path: Path) -> None:
         assert 0 <= fires[0]["at_ms"] - before < 5_000
         assert fires[1]["at_ms"] - fires[0]["at_ms"] == 3_600_000
         assert 0 <= made["next_fire_ms"] - fires[0]["at_ms"] < 5_000
+        # A paused one-shot past its time fires at the resume, whatever the policy: its
+        # preview by id showed no fire at all (found by review).
+        past = "2021-01-01T00:00:00Z"
+        spec = {"id": "pp", "schedule": {"at": past}, "task": {"shell": "true"}, "paused": True}
+        await client.create(spec)
+        shown = await client.preview(job_id="pp")
+        assert shown["paused"] and [f["utc"] for f in shown["fires"]] == [past]
+        assert shown["fires"][0]["note"] == "past: fires at the resume"
 
     run_with_node(tmp_path, body)
 
