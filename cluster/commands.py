@@ -341,12 +341,13 @@ def render_job(job: dict[str, Any]) -> None:
 def render_runs(runs: list[dict[str, Any]]) -> None:
     _table(
         "runs",
-        ["run id", "state", "scheduled at", "attempt", "exit", "worker", "why"],
+        ["run id", "state", "scheduled at", "ended at", "attempt", "exit", "worker", "why"],
         [
             [
                 r["run_id"],
                 r["state"],
                 r["scheduled_at"],
+                r.get("ended_at"),
                 r["attempt"],
                 r["exit_code"],
                 r["worker"],

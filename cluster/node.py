@@ -2237,6 +2237,9 @@ def _run_result(job_id: str, r: dict[str, Any]) -> dict[str, Any]:
         "exit_code": r["exit"],
         "why": r["why"],
         "version": r["ver"],
+        # (final runs recorded since it; null before, and for a run not final)
+        "ended_ms": r.get("end"),
+        "ended_at": None if r.get("end") is None else format_utc(r["end"]),
     }
 
 

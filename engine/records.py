@@ -21,7 +21,8 @@ Shapes (every record also has ``"t"``: its type, ``"v"``: the format version):
   ``key`` scheduled at ``at``: its state, attempt, fencing token, worker, pinned job version,
   the time a PENDING retry becomes ready, its failure and timeout counts, the source run of a
   triggered run, the last exit code and a reason; ``dp`` (absent: 0) the chain depth of a
-  triggered run (``EngineConfig.max_chain_depth``).
+  triggered run (``EngineConfig.max_chain_depth``); ``end`` (final states; absent from
+  records before it) the engine time it ended, which retention by age counts from.
 * ``skip``: ``key, lo, hi, n, why`` — ``n`` fire times in ``[lo, hi]`` not run, and why.
 * ``note``: ``key, at, tok, what, exit`` — a report that did not count (a superseded attempt's),
   kept in the run's history.

@@ -1352,6 +1352,10 @@ class ShardEngine:
             record["mk"] = True
         if run.clock_from is not None and run.state._value_ in IN_FLIGHT_VALUES:
             record["st"] = run.clock_from
+        elif run.state._value_ in FINAL_VALUES:
+            # When it ended, in engine time: retention by age counts from it (a one-shot
+            # long past, run now, kept its logs a minute when it counted from its time).
+            record["end"] = self._wall
         if run.pinned is not None:
             # A run of an older version than the job's: its pinned spec travels with it, so
             # that recovery can rebuild what this run executes.

@@ -256,6 +256,8 @@ class RetentionReport:
     kept_in_flight: int = 0
     #: runs past the policy kept because each is its job's newest
     kept_newest: int = 0
+    #: final runs scheduled before the age cutoff kept because they ended after it
+    kept_recent: int = 0
     ranges: int = 0
     more: bool = False
 
@@ -1337,6 +1339,7 @@ class ShardStore:
             self._age_from = index_end
         jobs = sorted({codec.read_i64(k, 8) for k, _ in entries})
         kept: list[tuple[int, int]] = []
+        recent_before = report.kept_recent
         for job in jobs:
             raw = self._get(_NRUNS, codec.i64(job))
             stored, newest_ever, _flag = (
@@ -1348,6 +1351,8 @@ class ShardStore:
             )
             if deleted:
                 nruns[job] = n_before - deleted
+            # (keep: the times to index the kept runs at: in flight, their own; ended after
+            # the cutoff, their end, when a later pass finds them of age)
             kept.extend((at, job) for at in keep)
             if newest is not None:
                 # Out of the index from now on (the range delete below): see retain().
@@ -1357,7 +1362,7 @@ class ShardStore:
         wb.delete_range(index_from, index_end, self._h[_BYTIME])
         for at, job in kept:
             wb.put(codec.i64(at) + codec.i64(job), _EMPTY, self._h[_BYTIME])
-        report.kept_in_flight += len(kept)
+        report.kept_in_flight += len(kept) - (report.kept_recent - recent_before)
 
     def _retain_by_count(
         self,
@@ -1419,10 +1424,13 @@ class ShardStore:
         report: RetentionReport,
         newest_ever: int = _UNKNOWN_AT,
     ) -> tuple[int, list[int], int | None]:
-        """Delete job ``job``'s oldest runs — those scheduled before ``before``, or the oldest
-        ``max_runs`` — with their history and logs, as ranges split around the runs kept: those
-        not in a final state, and the job's newest run when it is among those visited. Returns
-        (runs deleted, times of the runs kept in flight, time of the newest run kept or None).
+        """Delete job ``job``'s oldest runs — those scheduled before ``before`` that ended
+        before it too, or the oldest ``max_runs`` — with their history and logs, as ranges
+        split around the runs kept: those not in a final state, those that ended at or after
+        ``before`` (their record's ``end``: a one-shot long past run now is young), and the
+        job's newest run when it is among those visited. Returns (runs deleted, the times to
+        index the runs kept at: an in-flight run's own, a young run's end; the time of the
+        newest run kept or None).
         The age pass keeps only the record of a final newest run: its history and logs go
         (``has_run`` needs the record alone), the logs leaving a marker of their bytes. O(runs visited), plus one seek past them to
         learn whether the last is the newest, unless ``newest_ever`` (the newest time the
@@ -1452,20 +1460,32 @@ class ShardStore:
         deleted = 0
         for i, (k, v) in enumerate(runs):
             at = codec.read_i64(k, 8)
+            record = None if before is None else self._decode(v[1:])
+            ended = None if record is None else record.get("end")
+            if not isinstance(ended, int) or before is None or ended < before:
+                ended = None  # (no end, or of age: by its scheduled time)
+            young = ended is not None
             if last_is_newest and i == len(runs) - 1:
                 if before is None:
                     newest = at  # the count pass: whatever its state, it stays
-                elif self._decode(v[1:]).get("state") in FINAL_VALUES:
+                elif ended is not None:
+                    keep.append(ended)  # ended within the age: whole, looked at again then
+                    report.kept_recent += 1
+                elif record is not None and record.get("state") in FINAL_VALUES:
                     newest = at  # past the age: its record stays, its history goes
                     aged.append(at)
                 else:
                     keep.append(at)  # in flight: kept and indexed again, as any run in flight
             else:
-                state = self._decode(v[1:]).get("state")
-                if state in FINAL_VALUES:
+                state = (record if record is not None else self._decode(v[1:])).get("state")
+                if state in FINAL_VALUES and not young:
                     deleted += 1
                     continue
-                keep.append(at)
+                if ended is not None:
+                    keep.append(ended)
+                    report.kept_recent += 1
+                else:
+                    keep.append(at)
             if start < at:
                 segments.append((start, at))
             start = at + 1

@@ -402,3 +402,26 @@ def test_a_failed_pass_keeps_its_page_of_the_sweep(tmp_path: Path) -> None:
             store.retain(T0, COUNT)
         assert store.retain(T0, COUNT).runs_deleted == 2
         assert ats(store, 1) == [T0 + 2, T0 + 3, T0 + 4]
+
+
+def test_the_age_counts_from_a_runs_end_when_its_record_says_it(tmp_path: Path) -> None:
+    """A one-shot scheduled long ago (or a job paused for weeks and resumed) runs now: its
+    age counted from its scheduled time, so its logs went at the next pass, a minute after it
+    ran (found by review). A final record's ``end`` (the engine's time it ended) is what the
+    age counts from; records without one go by their scheduled time, as before."""
+    with open_store(tmp_path) as store:
+        store.write([created(1), created(2)])
+        late = {**run(1, T0, "SUCCESS"), "end": T0 + 25 * DAY}  # scheduled T0, ran day 25
+        store.write([batch(10, late), batch(11, run(1, T0 + DAY, "SUCCESS"))])
+        store.write([batch(12, run(1, T0 + 26 * DAY, "SUCCESS"))])  # the job's newest
+        store.logs.append(1, T0, "stdout", b"ran late")
+        store.logs.append(1, T0 + DAY, "stdout", b"ran on time")
+        report = store.retain(T0 + 30 * DAY, AGE)  # cutoff: day 20
+        assert report.runs_deleted == 1 and report.kept_recent == 1
+        assert report.kept_in_flight == 0
+        assert ats(store, 1) == [T0, T0 + 26 * DAY]
+        assert store.logs.read(1, T0).chunks[0].data == b"ran late"
+        # indexed again at its end: a pass once it is of age removes it
+        assert store.retain(T0 + 34 * DAY, AGE).runs_deleted == 0
+        assert store.retain(T0 + 36 * DAY, AGE).runs_deleted == 1
+        assert ats(store, 1) == [T0 + 26 * DAY] and store.logs.read(1, T0).chunks == []
