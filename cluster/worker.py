@@ -545,9 +545,13 @@ class WorkerAgent:
         sent = _mono_ms()
         if opens:
             self._opening_hello = (self.client.generation, sent)
-        slots = self._free()
         refused_since: float | None = None
         while True:
+            # Per attempt: an attempt refused for a minute (worker_id_in_use) must not have
+            # the accepted one acknowledged as sent a minute ago (a fence deadline long past:
+            # found by review), nor announce the free slots of then.
+            sent = _mono_ms()
+            slots = self._free()
             args = {
                 "worker_id": self.worker_id,
                 "tiers": list(self.tiers),
