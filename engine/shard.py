@@ -127,6 +127,8 @@ _SETBACK_POLL_MS = 1000
 _SETBACK_NOISE_MS = 50
 #: entries of ShardEngine._trigger_at past which those already in the past are dropped
 _TRIGGER_AT_PRUNE = 1024
+#: milliseconds after now a triggered run's time is looked for in
+_TRIGGER_SEARCH_MS = 64
 #: how long after the wall clock was set back a step forward back to where it was is taken for
 #: a correction rather than a jump (ms)
 _SETBACK_MEMORY_MS = 600_000
@@ -466,6 +468,11 @@ class ShardEngine:
         self._recent: dict[int, tuple[int, int, dict[str, Any]]] = {}
         self._recent_ids: dict[str, tuple[int, int]] = {}
         self._recent_order: deque[tuple[int, int, str]] = deque()
+        #: runs that went out to a worker and ended, until their final record is durable
+        #: (the batch holding it): the directory knows durable records only, and a replacing
+        #: create meanwhile fired the time again, attempt 1 once more (found by review)
+        self._recent_out: dict[RunRef, int] = {}
+        self._recent_out_order: deque[tuple[int, RunRef]] = deque()
         self._runs: dict[RunRef, _Run] = {}
         # Runs claimed at least once, by run id, until final: what workers' reports name.
         self._handed_out: dict[str, _Run] = {}
@@ -476,6 +483,7 @@ class ShardEngine:
         # are pruned from the front).
         self._sources: dict[tuple[int, str], int] = {}
         self._trigger_at: dict[int, int] = {}  # the last time given to a triggered run, per job
+        self._trigger_at_prune = _TRIGGER_AT_PRUNE
         self._workers: dict[str, _Worker] = {}
         # on_timeout=mark: runs recorded TIMED_OUT whose task runs on, run id -> (token,
         # worker), so that the worker's heartbeat is not told to stop it. Until its report,
@@ -920,6 +928,11 @@ class ShardEngine:
                     )
             if recent_ids.get(job_id, (None, None))[0] == batch:
                 del recent_ids[job_id]
+        out_order, recent_out = self._recent_out_order, self._recent_out
+        while out_order and out_order[0][0] <= batch_id:
+            batch, ref = out_order.popleft()
+            if recent_out.get(ref) == batch:
+                del recent_out[ref]
 
     def _still_valid(self, effects: list[Effect]) -> list[Effect]:
         """Drop a held dispatch whose claim was undone meanwhile (cancelled, killed): an
@@ -1149,7 +1162,10 @@ class ShardEngine:
             self._outbox_seq = max(self._outbox_seq, r["seq"])
         elif kind == "dep":
             if r.get("sq"):  # (absent from records before it)
-                self._note_dep_seq((r["up"], r["down"]), r["sq"], r["on"], r.get("at", 0))
+                # (a record from before `at` existed: turned off no later than now, so kept a
+                # whole window from here; with 0 it was forgotten at once: found by review)
+                at = r.get("at", self._wall)
+                self._note_dep_seq((r["up"], r["down"]), r["sq"], r["on"], at)
             downs = self._dependents.setdefault(r["up"], set())
             if r["on"]:
                 downs.add(r["down"])
@@ -1505,7 +1521,13 @@ class ShardEngine:
                 and not (key is not None and self._ran(key, first))
             ):
                 return first
-        return schedule.next_after(self._wall - 1)
+        nxt = schedule.next_after(self._wall - 1)
+        if nxt == self._wall and key is not None and self._ran(key, nxt):
+            # Now itself is owed only if this id has no run at it that went out: a replacing
+            # create (or a cancel and create) in the millisecond of a fire that ran, or with
+            # the engine's clock held by a setback, fired it again (found by review).
+            return schedule.next_after(self._wall)
+        return nxt
 
     def _ran(self, key: int, at: int) -> bool:
         """The run of ``key`` at ``at`` went out to a worker: in memory past PENDING (or on
@@ -1515,7 +1537,7 @@ class ShardEngine:
         run = self._runs.get((key, at))
         if run is not None:
             return run.state is not RunState.PENDING or run.attempt > 1
-        return self._directory.has_run(key, at)
+        return (key, at) in self._recent_out or self._directory.has_run(key, at)
 
     def _update(self, cmd: UpdateJob) -> None:
         if cmd.expected_version is not None:
@@ -1897,6 +1919,11 @@ class ShardEngine:
                 self._skip(key, at, at, 1, "overlap", source)
                 return None
             buffered = True
+        if overlap == "cancel_previous" and waiting is not None:
+            # A run left waiting by an earlier version's buffer_one: the new run replaces it
+            # too (it was released later, and ran beside the new one: found by review).
+            busy.append(waiting)
+            del self._buffered[key]
         if busy and overlap == "cancel_previous":
             for t in busy:
                 prev = self._runs[(key, t)]
@@ -1949,48 +1976,64 @@ class ShardEngine:
             if self._flags[key] & _PAUSED
             else None
         )
+        at = self._trigger_time(key)
+        if at is None:
+            # Every millisecond ahead is a time the schedule owes (an `every 1ms`): the
+            # scheduled runs are this trigger's runs; nothing of its own is made or recorded.
+            self._reply_after_durable(
+                cmd.request_id, {"run_id": None, "skipped": "no_free_time"}
+            )
+            return
+        self._note_trigger_at(key, at)
         if refused is not None:
-            at = max(self._wall + 1, self._trigger_at.get(key, 0) + 1)
-            self._note_trigger_at(key, at)
             self._skip(key, at, at, 1, refused, cmd.source_run_id)
             self._reply_after_durable(
                 cmd.request_id, {"run_id": run_id(cmd.job_id, at), "skipped": refused}
             )
             return
-        # A triggered run's time is just after now, after any earlier trigger of the job and
-        # never on its next scheduled fire: its run id (job@ms) then names no other run, past
-        # (those are all at or before now) or owed. It waits until that millisecond.
-        at = max(self._wall + 1, self._trigger_at.get(key, 0) + 1)
-        nxt = self._next_due(key)
-        schedule = self._profile(key).schedule
-        # Not on any time the schedule still owes either: with the tier full, the next due
-        # time is in the past and the times after it are owed too; a trigger taking one of
-        # them made two runs of one run id (found by review).
-        while (
-            (key, at) in self._runs
-            or at == nxt
-            or (
-                nxt is not None
-                and at > nxt
-                and schedule is not None
-                and schedule.next_after(at - 1) == at
-            )
-        ):
-            at += 1
-        self._note_trigger_at(key, at)
         run = self._new_run(key, at, source=cmd.source_run_id, depth=depth)
         if run is not None:
             run.job_id = cmd.job_id
         self._reply_after_durable(cmd.request_id, {"run_id": run_id(cmd.job_id, at)})
 
+    def _trigger_time(self, key: int) -> int | None:
+        """The time of a triggered run (or skip) of job ``key``: just after now, after every
+        time earlier triggers of the job were given, and never on a time its run id would
+        share: a run in flight, the next scheduled fire, nor (with the tier full, the next
+        due time past) any later time the schedule owes (a trigger taking one made two runs
+        of one run id: found by review). It waits until that millisecond. None when the
+        first ``_TRIGGER_SEARCH_MS`` candidates are all taken (only a schedule firing every
+        millisecond or two owes so many in a row)."""
+        at = max(self._wall + 1, self._trigger_at.get(key, 0) + 1)
+        nxt = self._next_due(key)
+        schedule = self._profile(key).schedule
+        for _ in range(_TRIGGER_SEARCH_MS):
+            if not (
+                (key, at) in self._runs
+                or at == nxt
+                or (
+                    nxt is not None
+                    and at > nxt
+                    and schedule is not None
+                    and schedule.next_after(at - 1) == at
+                )
+            ):
+                return at
+            at += 1
+        return None
+
     def _note_trigger_at(self, key: int, at: int) -> None:
         """Remember ``at`` as the newest time given to a triggered run of job ``key`` (run or
         skipped); forget times already past now, which no new trigger can take anyway (a
-        new one starts after now): bounded by the jobs triggered in the last moments."""
+        new one starts after now): bounded by the jobs triggered in the last moments. The
+        pass that forgets runs when the map has doubled since the last one left it, so a
+        burst of triggers within one millisecond (none past yet) costs O(1) each, not a
+        scan each (found by review)."""
         self._trigger_at[key] = max(at, self._trigger_at.get(key, 0))
-        if len(self._trigger_at) > _TRIGGER_AT_PRUNE:
+        if len(self._trigger_at) > self._trigger_at_prune:
             wall = self._wall
             self._trigger_at = {k: t for k, t in self._trigger_at.items() if t > wall}
+            self._trigger_at_prune = max(_TRIGGER_AT_PRUNE, 2 * len(self._trigger_at))
 
     def _remember_source(self, source: str, ref: RunRef) -> None:
         """Remember that job ``ref[0]`` ran (or skipped) a trigger from ``source`` at time
@@ -2597,6 +2640,10 @@ class ShardEngine:
         self._clear_run_timer(run)
         run.queued = False
         del self._runs[run.ref]
+        if run.token or run.attempt > 1:
+            batch = self._batch + 1  # (this call's records: the next batch)
+            self._recent_out[run.ref] = batch
+            self._recent_out_order.append((batch, run.ref))
         if run.job_id is not None:
             self._handed_out.pop(run_id(run.job_id, run.at), None)
         if run.slot >= 0:
@@ -2733,9 +2780,13 @@ class ShardEngine:
         self._dependents = {up: set(downs) for up, downs in meta["dependents"].items()}
         self._dep_seq, self._dep_off = {}, {}
         for entry in meta.get("dep_seq", ()):  # (absent from older snapshots)
-            self._dep_seq[(entry[0], entry[1])] = entry[2]
+            pair = (entry[0], entry[1])
+            self._dep_seq[pair] = entry[2]
             if len(entry) > 3:
-                self._dep_off[(entry[0], entry[1])] = entry[3]
+                self._dep_off[pair] = entry[3]
+            elif pair[1] not in self._dependents.get(pair[0], ()):
+                # turned off, in a snapshot from before the time was kept: from now on
+                self._dep_off[pair] = self._wall
         for key, at in meta.get("trigger_at", ()):  # (absent from older snapshots)
             self._trigger_at[key] = max(at, self._trigger_at.get(key, 0))
         for src, key, at in meta["sources"]:

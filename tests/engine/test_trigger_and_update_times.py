@@ -119,3 +119,146 @@ def test_next_owed_is_a_paused_jobs_kept_time() -> None:
     node.do(CancelJob(node.request(), "o"))
     with pytest.raises(JobNotFound):
         node.engine.next_owed("o")
+
+
+def test_cancel_previous_also_cancels_a_run_an_earlier_buffer_one_left_waiting() -> None:
+    """buffer_one leaves a run waiting behind the running one; updated to cancel_previous,
+    the next fire cancelled the running one only, and the waiting run was then released to
+    run beside the new one (found by review)."""
+    from engine.effects import ReportStarted as Started
+
+    node = Node()
+    node.do(WorkerHello("w1", ("default",), 10))
+    raw = {"id": "j", "schedule": {"every": "10s", "start": format_utc(T0 + 10_000)}}
+    node.create(**raw, overlap="buffer_one")
+    node.advance(10_000)  # +10 s: A goes out
+    (a,) = node.tickets()
+    node.do(Started("w1", a.run_id, a.token))
+    node.advance(10_000)  # +20 s: B waits behind A
+    spec = {**raw, "task": {"command": ["true"]}, "overlap": "cancel_previous"}
+    node.do(UpdateJob(node.request(), validate_job(spec, now_ms=node.wall)))
+    node.advance(10_000)  # +30 s: C cancels what came before it
+    node.do(ReportFinished("w1", a.run_id, a.token, "killed", -15))
+    node.advance(100)
+    assert [t.run_id for t in node.tickets()] == [a.run_id, f"j@{T0 + 30_000}"]
+    states = {at - T0: s[-1] for at, s in run_states(node, 0).items()}
+    assert states == {10_000: "CANCELLED", 20_000: "CANCELLED", 30_000: "CLAIMED"}
+
+
+@pytest.mark.parametrize("how", ["replace", "recreate"])
+def test_a_replacing_create_in_the_millisecond_of_a_fire_that_ran_owes_it_no_more(
+    how: str,
+) -> None:
+    """An at-most-once cron job's run at T went out and succeeded; the engine's time still
+    at T (the wall clock set back just after), the same spec applied again with ``replace``
+    (or the job cancelled and created again) fired T again: one run id sent twice, its
+    SUCCESS record overwritten (found by review). Now is owed only if it did not run."""
+    from engine.effects import CreateJob
+
+    def spec(replace: bool = False) -> object:
+        raw = {"id": "c", "schedule": {"cron": "*/10 * * * * *"}, "task": {"command": ["true"]}}
+        return validate_job({**raw, "delivery": "at_most_once", "replace": replace}, now_ms=T0)
+
+    node = Node()
+    node.do(WorkerHello("w1", ("default",), 5, (), "i1", 0))
+    node.do(CreateJob(node.request(), spec()))  # type: ignore[arg-type]
+    node.advance(10_000)
+    fired = node.engine.now_ms
+    node.advance(5_000, wall_extra=-60_000)  # the engine's time stands still at T
+    for t in node.tickets():
+        node.do(ReportFinished("w1", t.run_id, t.token, "success", 0))
+    if how == "recreate":
+        node.do(CancelJob(node.request(), "c"))
+        node.do(CreateJob(node.request(), spec()))  # type: ignore[arg-type]
+    else:
+        node.do(CreateJob(node.request(), spec(replace=True)))  # type: ignore[arg-type]
+    node.advance(1_000)
+    assert [t.attempt for t in node.tickets() if t.scheduled_ms == fired] == [1]
+    assert run_states(node, 0)[fired] == ["PENDING", "CLAIMED", "SUCCESS"]
+
+
+def test_a_run_that_ended_before_its_records_were_durable_still_counts_as_run() -> None:
+    """An at-least-once one-shot went out and succeeded while its claim's batch was still
+    on its way to the disk; a replacing create naming its time asked the directory, which
+    knows durable records only, and fired it again as attempt 1 (found by review)."""
+    from engine.effects import CreateJob
+
+    def spec(replace: bool = False) -> object:
+        raw = {"id": "o", "schedule": {"at": format_utc(T0 + 1000)}}
+        return validate_job({**raw, "task": {"command": ["true"]}, "replace": replace}, now_ms=T0)
+
+    node = Node()
+    node.do(WorkerHello("w1", ("default",), 0, (), "i1", 0))  # no free slot yet
+    node.do(CreateJob(node.request(), spec()))  # type: ignore[arg-type]
+    node.advance(1000)  # fired, durable, waiting for a slot
+    node.auto_durable = False
+    node.do(Pull("w1", 1))  # claimed and sent, its claim in the next batch
+    (first,) = node.tickets()
+    node.do(ReportFinished("w1", first.run_id, first.token, "success", 0))
+    node.do(CreateJob(node.request(), spec(replace=True)))  # type: ignore[arg-type]
+    node.auto_durable = True
+    node.flush()
+    node.do(Pull("w1", 1))
+    node.advance(100)
+    assert [t.run_id for t in node.tickets()] == [first.run_id]
+    assert run_states(node, 0)[T0 + 1000] == ["PENDING", "CLAIMED", "SUCCESS"]
+
+
+def test_a_trigger_of_a_job_firing_every_millisecond_ends_at_once() -> None:
+    """Every millisecond ahead is owed: the search for a free time never ended (found by
+    review of the fix above). It is bounded; the scheduled runs are the trigger's."""
+    node = Node()
+    node.create(id="fast", schedule={"every": "1ms"})
+    node.advance(5)
+    reply = node.do(TriggerJob(node.request(), "fast", "up@1"))
+    assert reply is not None and reply.result == {"run_id": None, "skipped": "no_free_time"}
+
+
+def test_a_refused_trigger_takes_no_time_the_schedule_owes() -> None:
+    """A trigger refused (chain too deep, or the job paused) is a skip record at its time:
+    that time was not checked at all, so the next scheduled fire was both skipped and run."""
+    node = Node()
+    node.create(id="j", schedule={"every": "1s", "start": format_utc(T0 + 1000)})
+    node.advance(999)  # the next scheduled fire is T0 + 1000
+    deep = node.engine.config.max_chain_depth + 5
+    reply = node.do(TriggerJob(node.request(), "j", "up@1", depth=deep))
+    assert reply is not None and reply.result is not None
+    assert reply.result["skipped"] == "chain_too_deep"
+    assert reply.result["run_id"] != f"j@{T0 + 1000}"
+    node.advance(10)
+    assert T0 + 1000 in run_states(node, 0)
+    assert not [s for s in node.skips() if s["lo"] <= T0 + 1000 <= s["hi"]]
+
+
+def test_a_burst_of_triggers_keeps_every_time_given() -> None:
+    """One upstream run fanning out: thousands of triggers within one millisecond (none of
+    the times given is past yet, so none may be forgotten; the pass that forgets runs when
+    the map has doubled, not at every trigger past 1,024: found by review)."""
+    node = Node()
+    for i in range(1500):
+        node.create(id=f"d{i}", schedule={"every": "1h"})
+    for i in range(1500):
+        node.do(TriggerJob(node.request(), f"d{i}", "up@1"))
+    assert len(node.engine._trigger_at) == 1500
+    node.advance(10)
+    node.do(TriggerJob(node.request(), "d0", "up@2"))
+    assert len(node.engine._trigger_at) <= 1500
+
+
+def test_a_dependency_removed_before_its_records_had_times_is_not_forgotten_at_once() -> None:
+    """Dependency records from before they carried their time: a pair turned off a minute
+    before a restart counted as turned off at time 0 and was forgotten during the replay,
+    and a late repeat of the older "on" registration then restored it (found by review)."""
+    from engine.effects import RegisterDependent
+
+    node = Node()
+    node.do(RegisterDependent(node.request(), "up", "down", on=True, seq=1))
+    node.do(RegisterDependent(node.request(), "up", "down", on=False, seq=2))
+    node.flush()
+    for r in node.durable_records:  # as written before the time was kept
+        if r["t"] == "dep":
+            r.pop("at", None)
+    node.advance(60_000)
+    node.crash_and_recover(downtime_ms=10)
+    node.do(RegisterDependent(node.request(), "up", "down", on=True, seq=1))  # a late repeat
+    assert "down" not in node.engine._dependents.get("up", set())
