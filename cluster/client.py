@@ -23,6 +23,7 @@ import contextvars
 import math
 import os
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
@@ -203,6 +204,49 @@ async def created_as_sent(client: Client, spec: dict[str, Any]) -> dict[str, Any
     job = await client.get(spec["id"])
     stored = job.pop("spec", None)
     return job if isinstance(stored, dict) and same_spec(spec, stored) else None
+
+
+async def job_version(client: Client, job_id: str) -> int:
+    """The version job ``job_id`` is at now; 0 when there is no such job (never made, or
+    cancelled). Raises :class:`ClientError` when it cannot be read."""
+    try:
+        job = await client.get(job_id)
+    except RemoteError as exc:
+        if exc.code == "not_found":
+            return 0
+        raise
+    return int(job["version"])
+
+
+async def replace_applied(
+    client: Client, spec: dict[str, Any], before: int
+) -> dict[str, Any] | None:
+    """After a replacing create of ``spec`` whose answer was lost: the job as ``client.get``
+    describes it less its spec when the create was applied (the job moved on from version
+    ``before`` and holds ``spec``); None when it was not (still at ``before``). Raises
+    :class:`ConnectionLost` when the job changed into something else meanwhile (whether
+    this create was applied is unknown), :class:`ClientError` when it cannot be read."""
+    try:
+        job = await client.get(spec["id"])
+    except RemoteError as exc:
+        if exc.code != "not_found":
+            raise
+        job = None
+    version = 0 if job is None else int(job["version"])
+    if version == before:
+        return None
+    stored = None if job is None else job.pop("spec", None)
+    if job is not None and isinstance(stored, dict) and same_spec(spec, stored):
+        return job
+    raise ConnectionLost(
+        f"job.create: the connection broke and job {spec['id']!r} changed meanwhile (version "
+        f"{before} -> {version}): whether this replace was applied is unknown"
+    )
+
+
+def _unknown(message: str) -> dict[str, Any]:
+    """A ``create_many`` entry whose outcome is unknown, shaped as the node's errors."""
+    return {"ok": False, "error": {"code": "connection_lost", "message": message, "field": None}}
 
 
 def _replaces(spec: object) -> bool:
@@ -645,11 +689,14 @@ class Client:
         """:meth:`create` of a spec with ``replace``: sent once. Sent again after a broken
         connection, an earlier attempt that was applied would be applied twice (one more
         version; an ``every`` without ``start`` restarted, its next fire moved: found by
-        review), and a replace never answers ``exists``. So the job is read back first: when
-        it holds the spec sent, that is the result; else the create is sent again. (An
-        earlier attempt still on its way to the node while the job is read back can still
-        land after the retry, as for :meth:`update`.)"""
+        review), and a replace never answers ``exists``. So the job's version is read first,
+        and after a broken connection again: grown and holding the spec sent, the replace
+        was applied (the result); unchanged, it was not (sent again); changed into something
+        else, whether it was is unknown (:class:`ConnectionLost`). (An earlier attempt still
+        on its way to the node while the job is read back can still land after the retry,
+        as for :meth:`update`.)"""
         deadline = trio.current_time() + self.timeout_s
+        before = await job_version(self, spec["id"])
         while True:
             try:
                 result: dict[str, Any] = await self.request(
@@ -662,25 +709,11 @@ class Client:
             except ConnectionLost:
                 if not self.reconnect or self._closed:
                     raise
-            held = await self._replace_held(spec, deadline)
+            if trio.current_time() >= deadline:
+                raise RequestTimeout(f"job.create: no reply within {self.timeout_s} s")
+            held = await replace_applied(self, spec, before)
             if held is not None:
                 return held
-
-    async def _replace_held(self, spec: dict[str, Any], deadline: float) -> dict[str, Any] | None:
-        """The job ``spec`` names, less its spec, if it holds ``spec`` (a replacing create of
-        it was applied); None when it does not, or does not exist. Waits for the connection
-        until ``deadline`` (then :class:`RequestTimeout`)."""
-        left = deadline - trio.current_time()
-        if left <= 0:
-            raise RequestTimeout(f"job.create: no reply within {self.timeout_s} s")
-        try:
-            job = await self.request("job.get", {"id": spec["id"]}, timeout_s=left)
-        except RemoteError as exc:
-            if exc.code == "not_found":
-                return None
-            raise
-        stored = job.pop("spec", None)
-        return dict(job) if isinstance(stored, dict) and same_spec(spec, stored) else None
 
     async def create_many(self, specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Create jobs in one request; per spec ``{"ok", "result"}`` or ``{"ok", "error"}``
@@ -726,13 +759,25 @@ class Client:
         return results
 
     async def _create_many_replacing(self, specs: list[Any]) -> list[dict[str, Any]]:
-        """:meth:`create_many` of a batch with a replacing spec: sent once; after a broken
-        connection, every spec whose job already holds it (its earlier attempt applied it)
-        is settled as created, and the rest are sent again, until the timeout."""
+        """:meth:`create_many` of a batch with a replacing spec: sent once. The versions of
+        the jobs it replaces are read first; after a broken connection, every spec its job
+        already holds (a replace: the version grown too) is settled as created, a replace
+        whose job changed into something else, or whose id stands twice in the batch, gets a
+        ``connection_lost`` entry (whether it was applied is unknown), and the rest are sent
+        again, until the timeout."""
         deadline = trio.current_time() + self.timeout_s
+        ids = Counter(
+            s["id"] for s in specs if isinstance(s, dict) and isinstance(s.get("id"), str)
+        )
+        twice = {s["id"] for s in specs if _replaces(s) and ids[s["id"]] > 1}
+        before = {
+            s["id"]: await job_version(self, s["id"])
+            for s in specs
+            if _replaces(s) and s["id"] not in twice
+        }
         results: list[dict[str, Any] | None] = [None] * len(specs)
         todo = list(range(len(specs)))
-        while True:
+        while todo:
             try:
                 reply = await self.request(
                     "job.create_many",
@@ -740,28 +785,43 @@ class Client:
                     timeout_s=max(deadline - trio.current_time(), 0.001),
                     retry=False,
                 )
-            except ConnectionLost:
+            except ConnectionLost as exc:
                 if not self.reconnect or self._closed:
                     raise
+                lost = str(exc)
             else:
                 for i, entry in zip(todo, reply["results"], strict=True):
                     results[i] = entry
-                return [r for r in results if r is not None]
-            left, seen = [], set()
+                break
+            if trio.current_time() >= deadline:
+                raise RequestTimeout(f"job.create_many: no reply within {self.timeout_s} s")
+            left = []
             for i in todo:
                 spec = specs[i]
                 job_id = spec.get("id") if isinstance(spec, dict) else None
-                # An id standing twice: its first entry is the one that may have made it.
-                if isinstance(job_id, str) and job_id not in seen:
-                    seen.add(job_id)
-                    held = await self._replace_held(spec, deadline)
-                    if held is not None:
-                        results[i] = {"ok": True, "result": held}
-                        continue
-                left.append(i)
+                if job_id in twice:
+                    results[i] = _unknown(f"{lost}; replace of {job_id!r}, twice in the batch")
+                    continue
+                try:
+                    if _replaces(spec):
+                        held = await replace_applied(self, spec, before[job_id])
+                    elif isinstance(job_id, str) and ids[job_id] == 1:
+                        held = await created_as_sent(self, spec)
+                    else:
+                        held = None
+                except RemoteError:
+                    held = None  # (not_found: never made)
+                except ConnectionLost as exc:
+                    results[i] = _unknown(str(exc))
+                    continue
+                if held is not None:
+                    results[i] = {"ok": True, "result": held}
+                else:
+                    left.append(i)
             todo = left
-            if not todo:
-                return [r for r in results if r is not None]
+        done = [r for r in results if r is not None]
+        assert len(done) == len(results)
+        return done
 
     async def update(
         self, job_id: str, changes: dict[str, Any], *, if_version: int | None = None

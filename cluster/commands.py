@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import sys
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -562,7 +563,13 @@ async def submit_lines(
     batch's size when it is done. Never raises the client's errors: every line says what
     became of it (found by a review: one oversized batch ended the command with a traceback
     and no word of the 2,000 jobs the other batches had created)."""
-    from cluster.client import RequestNotSendable, RequestTimeout, created_as_sent
+    from cluster.client import (
+        RequestNotSendable,
+        RequestTimeout,
+        created_as_sent,
+        job_version,
+        replace_applied,
+    )
     from engine.jobs import new_job_id
 
     now = _now_ms()
@@ -597,15 +604,27 @@ async def submit_lines(
         part[0].error = why
         return None
 
-    async def replaced_before(line: SubmitLine) -> bool:
-        """Whether ``line`` replaces a job (``replace: true``) and its job holds the line's
-        spec already: an earlier attempt of this command applied it."""
-        if line.spec.get("replace") is not True or first_line_of.get(line.job_id) != line.number:
+    ids_seen = Counter(line.job_id for line in lines)
+
+    async def settled_replace(line: SubmitLine, before: dict[str, int]) -> bool:
+        """After a broken connection, for a line that replaces a job (``replace: true``):
+        True when nothing more is to be sent for it: its job moved on from the version read
+        before the first attempt and holds the line's spec (applied), or whether it was
+        applied cannot be known (the job changed into something else, its id stands twice in
+        the file, or it cannot be read: the line is then unconfirmed)."""
+        if line.spec.get("replace") is not True:
             return False
+        if line.job_id not in before:
+            line.error = (
+                "replace: its id stands twice in the file; whether it was applied is unknown"
+            )
+            line.unconfirmed = True
+            return True
         try:
-            return await created_as_sent(client, line.spec) is not None
-        except ClientError:
-            return False
+            return await replace_applied(client, line.spec, before[line.job_id]) is not None
+        except ClientError as exc:
+            line.error, line.unconfirmed = f"{exc.code}: {exc}", True
+            return True
 
     async def attempt(part: list[SubmitLine]) -> None:
         nonlocal answered_at
@@ -614,6 +633,15 @@ async def submit_lines(
         # would be applied twice (one more version, an `every` restarted: found by review).
         # Such a batch is sent once a try, and what an earlier try applied is not sent again.
         replacing = any(line.spec.get("replace") is True for line in part)
+        before: dict[str, int] = {}  # replaced jobs' versions before the first attempt
+        for line in part:
+            if line.spec.get("replace") is True and ids_seen[line.job_id] == 1:
+                try:
+                    before[line.job_id] = await job_version(client, line.job_id)
+                except ClientError as exc:
+                    line.error = f"not sent (its job could not be read first: {exc})"
+        part = [line for line in part if line.error is None]
+        specs = [line.spec for line in part]
         maybe_sent = False
         failure = ""
         for _try in range(tries):
@@ -635,7 +663,7 @@ async def submit_lines(
                 if replacing and sent_on:
                     if isinstance(exc, ConnectionLost):
                         await trio.sleep(0.05)  # (a reconnect is under way)
-                    part = [line for line in part if not await replaced_before(line)]
+                    part = [line for line in part if not await settled_replace(line, before)]
                     specs = [line.spec for line in part]
                     if not part:
                         return

@@ -423,3 +423,42 @@ def test_a_node_that_stays_away_is_connection_lost_not_timeout(tmp_path: Path) -
                 nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_a_replacing_create_that_never_arrived_is_sent_again_though_the_job_held_its_spec(
+    tmp_path: Path,
+) -> None:
+    """The read-back compared specs only: a job last written by a replace of the same spec
+    (a deploy re-applying its file) already held it, and a replace that never reached the
+    node was reported applied (found by review). The version read before the first attempt
+    tells: unchanged, the replace is sent again."""
+    at = {"schedule": {"at": "2040-01-01T00:00:00Z"}, "task": {"shell": "echo X"}}
+
+    async def body(client: Client, direct: Client, proxy: Proxy) -> None:
+        await direct.create({"id": "o", **at})
+        assert (await direct.create({"id": "o", **at, "replace": True}))["version"] == 2
+        proxy.drop_of = b"job.create"
+        job = await client.create({"id": "o", **at, "replace": True})
+        assert job["version"] == 3 and (await direct.get("o"))["version"] == 3
+
+    run_with_proxy(tmp_path, body)
+
+
+def test_two_replacing_entries_of_one_id_whose_reply_was_lost_are_not_sent_again(
+    tmp_path: Path,
+) -> None:
+    """Both entries of one id apply, and the job holds the last: the read-back matched
+    neither and sent both again, applying them twice over (found by review). Their outcome
+    is unknown: each says so, and nothing is sent again."""
+    a = {"schedule": {"at": "2040-01-01T00:00:00Z"}, "task": {"shell": "echo A"}, "replace": True}
+    b = {"schedule": {"at": "2041-01-01T00:00:00Z"}, "task": {"shell": "echo B"}, "replace": True}
+
+    async def body(client: Client, direct: Client, proxy: Proxy) -> None:
+        proxy.lose_reply_of = b"job.create_many"
+        results = await client.create_many([{"id": "d", **a}, {"id": "d", **b}, {"id": "e", **a}])
+        assert [r["ok"] for r in results] == [False, False, True]
+        assert {r["error"]["code"] for r in results[:2]} == {"connection_lost"}
+        assert (await direct.get("d"))["version"] == 2  # applied once each, no more
+        assert (await direct.get("e"))["version"] == 1
+
+    run_with_proxy(tmp_path, body)

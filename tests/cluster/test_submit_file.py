@@ -339,7 +339,15 @@ def test_a_replacing_line_whose_reply_was_lost_is_applied_once() -> None:
                 raise ConnectionLost("connection lost (reconnect pending)")
             return {"results": results}
 
+    async def get(job_id: str) -> dict[str, Any]:
+        if job_id not in fake.jobs:
+            from cluster.client import RemoteError
+
+            raise RemoteError("not_found", f"no job {job_id!r}", "id")
+        return {"job_id": job_id, "version": fake.versions[job_id], "spec": fake.jobs[job_id]}
+
     fake = Replacing()
+    fake.get = get  # type: ignore[method-assign]
     numbered = [(1, {**spec, "id": "r", "replace": True}), (2, {**spec, "id": "n"})]
     lines = trio.run(lambda: submit_lines(fake, numbered, batch=10))  # type: ignore[arg-type]
     assert [line.error for line in lines] == [None, None]
