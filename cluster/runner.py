@@ -432,11 +432,13 @@ def spawn_failure(
     if isinstance(err, FileNotFoundError):
         # (Checked from the worker's directory, and for paths with a "/" only, a script
         # found on PATH or relative to its cwd was "command not found": found by review.)
+        # (From the task's cwd, where the child is when it execs: a relative PATH entry too.)
+        here = cwd if cwd is not None else ""
         if "/" in program:
-            found = exists(program if cwd is None else os.path.join(cwd, program))
+            found = exists(os.path.join(here, program))
         else:
             dirs = (os.defpath if path is None else path).split(os.pathsep)
-            found = any(exists(os.path.join(d or ".", program)) for d in dirs)
+            found = any(exists(os.path.join(here, d, program)) for d in dirs)
         if found:
             # execve says ENOENT for the interpreter of a script, not for the script.
             return _CANNOT_EXECUTE, f"{program}: cannot execute (bad interpreter: {reason})"

@@ -542,15 +542,15 @@ class WorkerAgent:
     async def _hello(self, *, opens: bool = False) -> None:
         """Say hello (``opens``: as the first request on a new connection) and take the
         answer: lease, shard count, the fence deadline's acknowledgement."""
-        sent = _mono_ms()
-        if opens:
-            self._opening_hello = (self.client.generation, sent)
         refused_since: float | None = None
         while True:
             # Per attempt: an attempt refused for a minute (worker_id_in_use) must not have
-            # the accepted one acknowledged as sent a minute ago (a fence deadline long past:
-            # found by review), nor announce the free slots of then.
+            # the accepted one acknowledged as sent a minute ago, by its answer or by the
+            # dispatches the node pushes ahead of it (a fence deadline long past, the run just
+            # handed out killed at once: found by review), nor announce the free slots of then.
             sent = _mono_ms()
+            if opens:
+                self._opening_hello = (self.client.generation, sent)
             slots = self._free()
             args = {
                 "worker_id": self.worker_id,

@@ -372,6 +372,14 @@ class TestSpawnFailure:
             assert "bad interpreter" in out.text("stderr")
         missing = ticket({"command": ["nope-not-here"], "env": {"PATH": str(tmp_path)}})
         assert run(missing)[0].exit_code == 127
+        # a relative PATH entry is searched from the task's cwd, where the child execs
+        (tmp_path / "bin").mkdir()
+        script.rename(tmp_path / "bin" / "badint")
+        relative = ticket(
+            {"command": ["badint"], "cwd": str(tmp_path), "env": {"PATH": "bin:/usr/bin"}}
+        )
+        outcome, out = run(relative)
+        assert (outcome.outcome, outcome.exit_code) == ("failed", 126), out.text("stderr")
 
     def test_not_executable(self) -> None:
         denied = PermissionError(errno.EACCES, "Permission denied", "/etc/passwd")

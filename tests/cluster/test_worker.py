@@ -593,3 +593,64 @@ def test_an_agent_with_bad_settings_is_refused_when_made(kwargs: dict[str, float
 
     with pytest.raises(ValueError):
         WorkerAgent("127.0.0.1", 1, watchdog=False, **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_dispatch_ahead_of_a_retried_hellos_answer_is_not_fenced() -> None:
+    """A reconnect hello refused worker_id_in_use a few times, then accepted: the node pushes
+    the hello's dispatches before its answer, and the worker took that push for the answer
+    to its first attempt, sent seconds before: the fence deadline was past, and the run just
+    handed out was killed at once (found by review)."""
+    from cluster.client import RemoteError
+
+    async def handler(ticket: Any, out: Any) -> int:
+        await trio.sleep(5)
+        return 0
+
+    agent = WorkerAgent(
+        "127.0.0.1", 1, worker_id="w", slots=2, payload_handler=handler, watchdog=False
+    )
+    agent.lease_ms = 3000  # learnt from an earlier hello
+    agent.acked_sent_ms = time.monotonic_ns() // 1_000_000 - 10_000  # a partition, long ago
+    run = {
+        "run_id": "j@1",
+        "job_id": "j",
+        "scheduled_ms": 1,
+        "attempt": 1,
+        "token": 7,
+        "version": 1,
+        "delivery": "at_most_once",
+        "tier": "default",
+        "timeout_ms": None,
+        "task": {"payload": 1},
+    }
+
+    class Refusing:
+        generation = 2
+        attempts = 0
+
+        async def request(self, op: str, args: dict[str, Any], **kw: Any) -> Any:
+            assert op == "worker.hello"
+            self.attempts += 1
+            if self.attempts <= 3:  # the node still holds the id for the old process
+                await trio.sleep(0.5)
+                raise RemoteError("worker_id_in_use", "another live worker's", "worker_id")
+            agent._on_push({"push": "dispatch", "shard": 0, "seq": 1, "run": run})
+            await trio.sleep(0.3)
+            return {"lease_ms": 3000, "shards": 1}
+
+        def notify(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+    agent.client = Refusing()  # type: ignore[assignment]
+
+    async def main() -> int:
+        async with trio.open_nursery() as nursery:
+            agent.nursery = nursery
+            nursery.start_soon(agent._fence_timer)
+            await trio.sleep(0.1)
+            await agent._hello(opens=True)
+            await trio.sleep(0.3)
+            nursery.cancel_scope.cancel()
+        return agent.fenced
+
+    assert trio.run(main) == 0
