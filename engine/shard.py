@@ -1980,9 +1980,7 @@ class ShardEngine:
         if at is None:
             # Every millisecond ahead is a time the schedule owes (an `every 1ms`): the
             # scheduled runs are this trigger's runs; nothing of its own is made or recorded.
-            self._reply_after_durable(
-                cmd.request_id, {"run_id": None, "skipped": "no_free_time"}
-            )
+            self._reply_after_durable(cmd.request_id, {"run_id": None, "skipped": "no_free_time"})
             return
         self._note_trigger_at(key, at)
         if refused is not None:
