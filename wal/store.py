@@ -42,6 +42,7 @@ directory's only writer), and a run scheduled after the newest run its job ever 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import operator
@@ -386,6 +387,12 @@ class ShardStore:
             self._h = [self._db.get_column_family_handle(n) for n in COLUMN_FAMILIES]
             self._check_meta_and_fence(shard, shards, epoch)
             self._last_seq, self._snapshot_seq = self._find_positions()
+            # A snapshot file a crash left before its ingest (its write holds the lock we now
+            # hold, so none is being written): never read, it only took disk for good.
+            for name in os.listdir(where):
+                if name.startswith("snapshot-") and name.endswith(".sst.tmp"):
+                    with contextlib.suppress(OSError):
+                        os.unlink(os.path.join(where, name))
             raw = self._cf[_META].get(b"counts")
             self._counts = (
                 [0, 0, 0, 0, 0]
