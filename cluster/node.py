@@ -615,11 +615,16 @@ class ShardHost:
         started = time.monotonic()
         snap = self.engine.export_snapshot()
         self.snapshot_pending = True
-        self.since_snapshot = 0
-        self.start_task(self._write_snapshot, snap, time.monotonic() - started)
+        covered, self.since_snapshot = self.since_snapshot, 0
+        self.start_task(self._write_snapshot, snap, time.monotonic() - started, covered)
 
-    async def _write_snapshot(self, snap: Any, export_s: float = 0.0) -> None:
+    async def _write_snapshot(self, snap: Any, export_s: float = 0.0, covered: int = 0) -> None:
+        """Store ``snap`` once the batch it reflects is durable. ``covered``: the records
+        since the last snapshot that it stands for; counted again if it is not stored
+        (failed, or abandoned by a stop), so that the clean stop still takes its final
+        snapshot (it skipped it, and the next start replayed the tail: found by review)."""
         batch = snap.meta["batch"]
+        stored = False
         try:
             while batch not in self.batch_seq and self.failed is None:
                 await trio.sleep(0.01)  # the batch it reflects is not durable yet
@@ -629,6 +634,7 @@ class ShardHost:
                 await trio.to_thread.run_sync(
                     self.store.write_snapshot, seq, snap.arrays, snap.meta
                 )
+                stored = True
                 self.batch_seq = {b: s for b, s in self.batch_seq.items() if b > batch}
                 # its cost: the export and the write (the wait for the batch's fsync is not)
                 ended = time.monotonic()
@@ -645,6 +651,8 @@ class ShardHost:
             log.warning("shard %d: snapshot not stored: %s", self.index, exc)
         finally:
             self.snapshot_pending = False
+            if not stored:
+                self.since_snapshot += covered
 
     async def final_snapshot(self) -> None:
         """At a clean stop, once the committer is closed (every batch handed to it written):

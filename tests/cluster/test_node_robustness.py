@@ -423,3 +423,46 @@ def test_a_store_failure_met_in_a_turn_keeps_its_code(
             assert isinstance(bad.failed, DiskFull)
 
     with_node(tmp_path, body)
+
+
+def test_a_periodic_snapshot_not_stored_leaves_the_final_one_to_the_clean_stop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A periodic snapshot counted its records as covered when it was exported: when it
+    was then not stored (a failed write, or abandoned by the stop), the clean stop saw
+    nothing since the last one and took no final snapshot, and the next start replayed the
+    tail (found by review). They count again when it is not stored."""
+    from wal.errors import StoreIOError
+
+    stored: list[int] = []
+    refused: list[int] = []
+    real_snapshot = ShardStore.write_snapshot
+
+    def write_snapshot(self: ShardStore, *args: Any, **kwargs: Any) -> Any:
+        if not refused:
+            refused.append(self.shard)
+            raise StoreIOError("the disk hiccuped", path=self.path)
+        stored.append(self.shard)
+        return real_snapshot(self, *args, **kwargs)
+
+    monkeypatch.setattr(ShardStore, "write_snapshot", write_snapshot)
+
+    async def body(node: Node, port: int) -> None:
+        async with Client.connect("127.0.0.1", port) as client:
+            for i in range(20):
+                await client.create(
+                    {
+                        "id": f"s{i}",
+                        "schedule": {"at": "2099-01-01T00:00:00Z"},
+                        "task": {"payload": i},
+                    }
+                )
+        host = node.hosts[0]
+        assert host.since_snapshot > 0
+        host._start_snapshot()
+        while host.snapshot_pending:
+            await trio.sleep(0.01)
+        assert refused == [0] and host.since_snapshot > 0
+
+    with_node(tmp_path, body)
+    assert sorted(stored) == [0, 1]  # the clean stop's, for both shards
