@@ -1008,15 +1008,6 @@ def parse_schedule(
             raise ScheduleError(
                 f"end {format_utc(end_ms)} is before at {format_utc(at_ms)}", field="schedule.end"
             )
-        if end_ms is not None and jitter_ms is not None and end_ms < at_ms + jitter_ms - 1:
-            # Its one time, delayed by whatever the id draws, may land after the end: such a
-            # job never fires, and which ids do must not decide what is valid (found by
-            # review: accepted, then never a run and no skip either).
-            raise ScheduleError(
-                f"end {format_utc(end_ms)} is before at {format_utc(at_ms)} plus a jitter of "
-                f"{format_duration(jitter_ms)}: the fire may land after the end",
-                field="schedule.end",
-            )
         return AtSchedule({"at": format_utc(at_ms), **tail}, at_ms, end_ms, jitter_ms, offset)
 
     interval = parse_duration(spec["every"], field="schedule.every")
