@@ -19,12 +19,13 @@ succeed within the request's time).
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import math
 import os
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
 from typing import Any
@@ -206,11 +207,11 @@ async def created_as_sent(client: Client, spec: dict[str, Any]) -> dict[str, Any
     return job if isinstance(stored, dict) and same_spec(spec, stored) else None
 
 
-async def job_version(client: Client, job_id: str) -> int:
+async def job_version(client: Client, job_id: str, *, timeout_s: float | None = None) -> int:
     """The version job ``job_id`` is at now; 0 when there is no such job (never made, or
     cancelled). Raises :class:`ClientError` when it cannot be read."""
     try:
-        job = await client.get(job_id)
+        job = await client.get(job_id, timeout_s=timeout_s)
     except RemoteError as exc:
         if exc.code == "not_found":
             return 0
@@ -218,8 +219,35 @@ async def job_version(client: Client, job_id: str) -> int:
     return int(job["version"])
 
 
+async def job_versions(
+    client: Client, ids: Iterable[str], *, timeout_s: float | None = None, parallel: int = 64
+) -> dict[str, int]:
+    """:func:`job_version` of each of ``ids``, up to ``parallel`` reads in flight (one after
+    another, 10,000 of them took longer than a batch's whole timeout: found by review).
+    Raises the first :class:`ClientError` met; the reads still out are abandoned."""
+    out: dict[str, int] = {}
+    failures: list[ClientError] = []
+    limit = trio.Semaphore(parallel)
+    with trio.CancelScope() as scope:
+
+        async def one(job_id: str) -> None:
+            async with limit:
+                try:
+                    out[job_id] = await job_version(client, job_id, timeout_s=timeout_s)
+                except ClientError as exc:
+                    failures.append(exc)
+                    scope.cancel()
+
+        async with trio.open_nursery() as nursery:
+            for job_id in dict.fromkeys(ids):
+                nursery.start_soon(one, job_id)
+    if failures:
+        raise failures[0]
+    return out
+
+
 async def replace_applied(
-    client: Client, spec: dict[str, Any], before: int
+    client: Client, spec: dict[str, Any], before: int, *, timeout_s: float | None = None
 ) -> dict[str, Any] | None:
     """After a replacing create of ``spec`` whose answer was lost: the job as ``client.get``
     describes it less its spec when the create was applied (the job moved on from version
@@ -227,7 +255,7 @@ async def replace_applied(
     :class:`ConnectionLost` when the job changed into something else meanwhile (whether
     this create was applied is unknown), :class:`ClientError` when it cannot be read."""
     try:
-        job = await client.get(spec["id"])
+        job = await client.get(spec["id"], timeout_s=timeout_s)
     except RemoteError as exc:
         if exc.code != "not_found":
             raise
@@ -250,9 +278,12 @@ def _unknown(message: str) -> dict[str, Any]:
 
 
 def _replaces(spec: object) -> bool:
-    """Whether ``spec`` is a create that replaces a live job of its id (``replace: true``):
-    such a create is never answered ``exists``, so a second attempt would apply it again."""
-    return isinstance(spec, dict) and spec.get("replace") is True
+    """Whether ``spec`` is a create that replaces a live job of its id (``replace: true``)
+    and names it by a string (any other id is the node's to refuse, alone): such a create is
+    never answered ``exists``, so a second attempt would apply it again."""
+    return (
+        isinstance(spec, dict) and spec.get("replace") is True and isinstance(spec.get("id"), str)
+    )
 
 
 def parse_address(text: str) -> tuple[str, int]:
@@ -694,9 +725,10 @@ class Client:
         was applied (the result); unchanged, it was not (sent again); changed into something
         else, whether it was is unknown (:class:`ConnectionLost`). (An earlier attempt still
         on its way to the node while the job is read back can still land after the retry,
-        as for :meth:`update`.)"""
-        deadline = trio.current_time() + self.timeout_s
+        as for :meth:`update`.) The read first has its own timeout; the create and what
+        follows it share one."""
         before = await job_version(self, spec["id"])
+        deadline = trio.current_time() + self.timeout_s
         while True:
             try:
                 result: dict[str, Any] = await self.request(
@@ -709,9 +741,10 @@ class Client:
             except ConnectionLost:
                 if not self.reconnect or self._closed:
                     raise
-            if trio.current_time() >= deadline:
+            left = deadline - trio.current_time()
+            if left <= 0:
                 raise RequestTimeout(f"job.create: no reply within {self.timeout_s} s")
-            held = await replace_applied(self, spec, before)
+            held = await replace_applied(self, spec, before, timeout_s=left)
             if held is not None:
                 return held
 
@@ -760,21 +793,20 @@ class Client:
 
     async def _create_many_replacing(self, specs: list[Any]) -> list[dict[str, Any]]:
         """:meth:`create_many` of a batch with a replacing spec: sent once. The versions of
-        the jobs it replaces are read first; after a broken connection, every spec its job
-        already holds (a replace: the version grown too) is settled as created, a replace
-        whose job changed into something else, or whose id stands twice in the batch, gets a
-        ``connection_lost`` entry (whether it was applied is unknown), and the rest are sent
-        again, until the timeout."""
+        the jobs it replaces are read first (in parallel, with a timeout of their own); after
+        a broken connection, a replace its job holds with a grown version is settled as
+        created, as is the first plain create of an id whose job holds its spec; a replace
+        whose job changed into something else, cannot be read back, or whose id stands twice
+        in the batch, gets a ``connection_lost`` entry (whether it was applied is unknown);
+        the rest are sent again, until the timeout."""
+        ids: list[str | None] = [
+            s["id"] if isinstance(s, dict) and isinstance(s.get("id"), str) else None for s in specs
+        ]
+        counts = Counter(i for i in ids if i is not None)
+        replaced = [i for s, i in zip(specs, ids, strict=True) if i is not None and _replaces(s)]
+        twice = {i for i in replaced if counts[i] > 1}
+        before = await job_versions(self, [i for i in replaced if i not in twice])
         deadline = trio.current_time() + self.timeout_s
-        ids = Counter(
-            s["id"] for s in specs if isinstance(s, dict) and isinstance(s.get("id"), str)
-        )
-        twice = {s["id"] for s in specs if _replaces(s) and ids[s["id"]] > 1}
-        before = {
-            s["id"]: await job_version(self, s["id"])
-            for s in specs
-            if _replaces(s) and s["id"] not in twice
-        }
         results: list[dict[str, Any] | None] = [None] * len(specs)
         todo = list(range(len(specs)))
         while todo:
@@ -793,27 +825,29 @@ class Client:
                 for i, entry in zip(todo, reply["results"], strict=True):
                     results[i] = entry
                 break
-            if trio.current_time() >= deadline:
-                raise RequestTimeout(f"job.create_many: no reply within {self.timeout_s} s")
-            left = []
+            left: list[int] = []
+            read: set[str] = set()  # ids whose plain create was read back (the first only)
             for i in todo:
-                spec = specs[i]
-                job_id = spec.get("id") if isinstance(spec, dict) else None
+                spec, job_id = specs[i], ids[i]
+                remaining = deadline - trio.current_time()
+                if remaining <= 0:
+                    raise RequestTimeout(f"job.create_many: no reply within {self.timeout_s} s")
+                held: dict[str, Any] | None = None
                 if job_id in twice:
-                    results[i] = _unknown(f"{lost}; replace of {job_id!r}, twice in the batch")
+                    results[i] = _unknown(f"{lost}; {job_id!r} is replaced twice in the batch")
                     continue
-                try:
-                    if _replaces(spec):
-                        held = await replace_applied(self, spec, before[job_id])
-                    elif isinstance(job_id, str) and ids[job_id] == 1:
+                if job_id is not None and _replaces(spec):
+                    try:
+                        held = await replace_applied(
+                            self, spec, before[job_id], timeout_s=remaining
+                        )
+                    except ClientError as exc:
+                        results[i] = _unknown(f"{lost}; {exc}")
+                        continue
+                elif job_id is not None and job_id not in read:
+                    read.add(job_id)
+                    with contextlib.suppress(ClientError):  # unknown: sent again (a create)
                         held = await created_as_sent(self, spec)
-                    else:
-                        held = None
-                except RemoteError:
-                    held = None  # (not_found: never made)
-                except ConnectionLost as exc:
-                    results[i] = _unknown(str(exc))
-                    continue
                 if held is not None:
                     results[i] = {"ok": True, "result": held}
                 else:
@@ -938,8 +972,8 @@ class Client:
         result: dict[str, Any] = await self.request("job.resume", {"id": job_id})
         return result
 
-    async def get(self, job_id: str) -> dict[str, Any]:
-        result: dict[str, Any] = await self.request("job.get", {"id": job_id})
+    async def get(self, job_id: str, *, timeout_s: float | None = None) -> dict[str, Any]:
+        result: dict[str, Any] = await self.request("job.get", {"id": job_id}, timeout_s=timeout_s)
         return result
 
     async def list_jobs(self, *, page: int = 100) -> AsyncIterator[dict[str, Any]]:

@@ -567,7 +567,7 @@ async def submit_lines(
         RequestNotSendable,
         RequestTimeout,
         created_as_sent,
-        job_version,
+        job_versions,
         replace_applied,
     )
     from engine.jobs import new_job_id
@@ -621,7 +621,10 @@ async def submit_lines(
             line.unconfirmed = True
             return True
         try:
-            return await replace_applied(client, line.spec, before[line.job_id]) is not None
+            held = await replace_applied(
+                client, line.spec, before[line.job_id], timeout_s=timeout_s
+            )
+            return held is not None
         except ClientError as exc:
             line.error, line.unconfirmed = f"{exc.code}: {exc}", True
             return True
@@ -634,13 +637,20 @@ async def submit_lines(
         # Such a batch is sent once a try, and what an earlier try applied is not sent again.
         replacing = any(line.spec.get("replace") is True for line in part)
         before: dict[str, int] = {}  # replaced jobs' versions before the first attempt
-        for line in part:
-            if line.spec.get("replace") is True and ids_seen[line.job_id] == 1:
-                try:
-                    before[line.job_id] = await job_version(client, line.job_id)
-                except ClientError as exc:
-                    line.error = f"not sent (its job could not be read first: {exc})"
-        part = [line for line in part if line.error is None]
+        first = [
+            line.job_id
+            for line in part
+            if line.spec.get("replace") is True and ids_seen[line.job_id] == 1
+        ]
+        if first:
+            try:  # (in parallel: one after another, they outlasted the stall limit)
+                before = await job_versions(client, first, timeout_s=timeout_s)
+                answered_at = trio.current_time()  # the node answers: it is not stalled
+            except ClientError as exc:
+                for line in part:
+                    if line.job_id in first:
+                        line.error = f"not sent (its job could not be read first: {exc})"
+                part = [line for line in part if line.error is None]
         specs = [line.spec for line in part]
         maybe_sent = False
         failure = ""

@@ -462,3 +462,29 @@ def test_two_replacing_entries_of_one_id_whose_reply_was_lost_are_not_sent_again
         assert (await direct.get("e"))["version"] == 1
 
     run_with_proxy(tmp_path, body)
+
+
+def test_a_replacing_batch_keeps_the_per_entry_answers_of_plain_creates(
+    tmp_path: Path,
+) -> None:
+    """From the review of the replace fix: a plain create whose id stands twice in a batch
+    with a replace was no longer read back after a lost reply (both answered ``exists``, the
+    first for its own job); an entry with an id that is not a string failed the whole batch
+    (a TypeError, or the read first's ``bad_args``) where the node answers it alone."""
+    a = {"schedule": {"at": "2040-01-01T00:00:00Z"}, "task": {"shell": "echo A"}}
+
+    async def body(client: Client, direct: Client, proxy: Proxy) -> None:
+        proxy.lose_reply_of = b"job.create_many"
+        results = await client.create_many(
+            [{"id": "t", **a}, {"id": "t", **a}, {"id": "r", **a, "replace": True}]
+        )
+        assert client.generation == 2
+        assert [r["ok"] for r in results] == [True, False, True]
+        assert results[1]["error"]["code"] == "exists"
+        for bad in (["x"], 5):
+            results = await client.create_many(
+                [{"id": bad, **a, "replace": True}, {"id": "q", **a, "replace": True}]
+            )
+            assert results[0]["error"]["code"] == "invalid_job" and results[1]["ok"]
+
+    run_with_proxy(tmp_path, body)

@@ -177,7 +177,7 @@ class LosingClient:
             raise RequestTimeout("job.create_many: no reply within 30 s")
         return {"results": results}
 
-    async def get(self, job_id: str) -> dict[str, Any]:
+    async def get(self, job_id: str, **kw: Any) -> dict[str, Any]:
         return {"job_id": job_id, "spec": self.jobs[job_id]}
 
 
@@ -297,7 +297,7 @@ def test_a_failed_check_of_an_existing_job_leaves_its_line_unconfirmed() -> None
     spec = {"schedule": FAR, "task": {"shell": "true"}}
 
     class NoGet(LosingClient):
-        async def get(self, job_id: str) -> dict[str, Any]:
+        async def get(self, job_id: str, **kw: Any) -> dict[str, Any]:
             from cluster.client import RequestTimeout
 
             raise RequestTimeout("job.get: no reply")
@@ -339,7 +339,7 @@ def test_a_replacing_line_whose_reply_was_lost_is_applied_once() -> None:
                 raise ConnectionLost("connection lost (reconnect pending)")
             return {"results": results}
 
-    async def get(job_id: str) -> dict[str, Any]:
+    async def get(job_id: str, **kw: Any) -> dict[str, Any]:
         if job_id not in fake.jobs:
             from cluster.client import RemoteError
 
