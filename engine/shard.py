@@ -1977,11 +1977,16 @@ class ShardEngine:
             else None
         )
         at = self._trigger_time(key)
-        if at is None:
+        if at is None and refused is None:
             # Every millisecond ahead is a time the schedule owes (an `every 1ms`): the
             # scheduled runs are this trigger's runs; nothing of its own is made or recorded.
             self._reply_after_durable(cmd.request_id, {"run_id": None, "skipped": "no_free_time"})
             return
+        if at is None:
+            # Refused all the same, and recorded with its source so that a redelivery is a
+            # repeat (found by review): its skip shares a time the schedule owes, which is
+            # accounted for twice then, never not at all.
+            at = max(self._wall + 1, self._trigger_at.get(key, 0) + 1)
         self._note_trigger_at(key, at)
         if refused is not None:
             self._skip(key, at, at, 1, refused, cmd.source_run_id)

@@ -240,6 +240,8 @@ def test_a_burst_of_triggers_keeps_every_time_given() -> None:
     for i in range(1500):
         node.do(TriggerJob(node.request(), f"d{i}", "up@1"))
     assert len(node.engine._trigger_at) == 1500
+    # the pass at 1,025 found nothing past and doubled the bound: not one pass per trigger
+    assert node.engine._trigger_at_prune >= 2048
     node.advance(10)
     node.do(TriggerJob(node.request(), "d0", "up@2"))
     assert len(node.engine._trigger_at) <= 1500
@@ -262,3 +264,43 @@ def test_a_dependency_removed_before_its_records_had_times_is_not_forgotten_at_o
     node.crash_and_recover(downtime_ms=10)
     node.do(RegisterDependent(node.request(), "up", "down", on=True, seq=1))  # a late repeat
     assert "down" not in node.engine._dependents.get("up", set())
+
+
+def test_a_refused_trigger_of_a_job_firing_every_millisecond_is_still_recorded() -> None:
+    """Paused: the trigger is a skip with its source (a redelivery is then a repeat), also
+    when no millisecond ahead is free; no_free_time won over the refusal and left nothing,
+    and the redelivery after a resume ran (found by review)."""
+    from engine.effects import PauseJob
+
+    node = Node()
+    node.create(id="fast", schedule={"every": "1ms"})
+    node.advance(5)
+    node.do(PauseJob(node.request(), "fast"))
+    reply = node.do(TriggerJob(node.request(), "fast", "up@1"))
+    assert reply is not None and reply.result is not None
+    assert reply.result["skipped"] == "paused"
+    assert [s["src"] for s in node.skips() if s.get("src")] == ["up@1"]
+    node.do(ResumeJob(node.request(), "fast"))
+    again = node.do(TriggerJob(node.request(), "fast", "up@1"))
+    assert again is not None and again.result == {"duplicate": True}
+
+
+def test_a_snapshot_from_before_removal_times_keeps_removed_pairs_a_window() -> None:
+    """A snapshot's dependency entries from before they carried their time (three fields):
+    a pair turned off had no time at all, and was kept for ever; it counts from the load."""
+    from engine.effects import RegisterDependent
+
+    node = Node(config=cfg(trigger_dedupe_ms=60_000))
+    node.do(RegisterDependent(node.request(), "up", "down", on=True, seq=1))
+    node.do(RegisterDependent(node.request(), "up", "down", on=False, seq=2))
+    node.take_snapshot()
+    assert node.snapshot is not None
+    snap = node.snapshot[0]
+    snap.meta["dep_seq"] = [entry[:3] for entry in snap.meta["dep_seq"]]  # the old form
+    node.crash_and_recover(downtime_ms=10, via_snapshot=True)
+    assert ("up", "down") in node.engine._dep_off  # kept a window from the load...
+    late = node.do(RegisterDependent(node.request(), "up", "down", on=True, seq=1))
+    assert late is not None and "down" not in node.engine._dependents.get("up", set())
+    node.advance(61_000)
+    node.do(RegisterDependent(node.request(), "up", "other", on=True, seq=3))
+    assert ("up", "down") not in node.engine._dep_seq  # ...then forgotten
