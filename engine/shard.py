@@ -2014,6 +2014,10 @@ class ShardEngine:
             if not (
                 (key, at) in self._runs
                 or at == nxt
+                # a run of that id that went out and ended (a clock behind after a restart
+                # reaches times that already ran: found by review)
+                or (key, at) in self._recent_out
+                or self._directory.has_run(key, at)
                 or (
                     nxt is not None
                     and at > nxt

@@ -304,3 +304,28 @@ def test_a_snapshot_from_before_removal_times_keeps_removed_pairs_a_window() -> 
     node.advance(61_000)
     node.do(RegisterDependent(node.request(), "up", "other", on=True, seq=3))
     assert ("up", "down") not in node.engine._dep_seq  # ...then forgotten
+
+
+@pytest.mark.parametrize("via_snapshot", [False, True])
+def test_a_trigger_after_a_restart_with_the_clock_behind_takes_no_id_that_ran(
+    via_snapshot: bool,
+) -> None:
+    """A scheduled run went out and ended; the shard restarts on a host whose clock is a few
+    ms behind, and a trigger took that run's time again: one run id dispatched twice, both
+    attempt 1 (found by review). A time whose run went out is never a trigger's."""
+    node = Node()
+    node.do(WorkerHello("w1", ("default",), 10))
+    node.create(id="j", schedule={"every": "1h", "start": format_utc(T0 + 1000)})
+    node.advance(1000)
+    node.do(Pull("w1", 10))
+    ran = [t for t in node.tickets() if t.job_id == "j"]
+    for t in ran:
+        node.do(ReportStarted("w1", t.run_id, t.token))
+        node.do(ReportFinished("w1", t.run_id, t.token, "success", 0))
+    node.advance(5)
+    node.take_snapshot()
+    node.wall = T0 + 999  # the clock behind the run that went out
+    node.crash_and_recover(via_snapshot=via_snapshot)
+    reply = node.do(TriggerJob(node.request(), "j", "up@1"))
+    assert reply is not None and reply.result is not None
+    assert reply.result["run_id"] not in [t.run_id for t in ran]
