@@ -41,7 +41,7 @@ from cluster.rawio import (
     read_ready,
 )
 from engine.errors import EngineUsageError
-from engine.jobs import new_job_id, validate_job
+from engine.jobs import new_job_id, validate_job, validate_job_id
 from engine.runs import FINAL_VALUES
 
 DEFAULT_TIMEOUT_S = 30.0
@@ -277,13 +277,18 @@ def _unknown(message: str) -> dict[str, Any]:
     return {"ok": False, "error": {"code": "connection_lost", "message": message, "field": None}}
 
 
-def _replaces(spec: object) -> bool:
+def replaces(spec: object) -> bool:
     """Whether ``spec`` is a create that replaces a live job of its id (``replace: true``)
-    and names it by a string (any other id is the node's to refuse, alone): such a create is
-    never answered ``exists``, so a second attempt would apply it again."""
-    return (
-        isinstance(spec, dict) and spec.get("replace") is True and isinstance(spec.get("id"), str)
-    )
+    and names it by a valid job id (any other id is the node's to refuse, alone: read first,
+    it failed the whole batch; found by review): such a create is never answered ``exists``,
+    so a second attempt would apply it again."""
+    if not isinstance(spec, dict) or spec.get("replace") is not True:
+        return False
+    try:
+        validate_job_id(spec.get("id"))
+    except EngineUsageError:
+        return False
+    return True
 
 
 def parse_address(text: str) -> tuple[str, int]:
@@ -697,7 +702,7 @@ class Client:
         """
         if isinstance(spec, dict) and "id" not in spec:  # (not a map: the node refuses it)
             spec = {**spec, "id": new_job_id(int(time.time() * 1000), os.urandom(10))}
-        if _replaces(spec):
+        if replaces(spec):
             return await self._create_replacing(spec)
         sent_on: list[int] = []
         try:
@@ -760,7 +765,7 @@ class Client:
             else s
             for s in specs
         ]
-        if any(_replaces(s) for s in specs):
+        if any(replaces(s) for s in specs):
             return await self._create_many_replacing(specs)
         sent_on: list[int] = []
         result = await self.request("job.create_many", {"specs": specs}, sent_on=sent_on)
@@ -803,7 +808,7 @@ class Client:
             s["id"] if isinstance(s, dict) and isinstance(s.get("id"), str) else None for s in specs
         ]
         counts = Counter(i for i in ids if i is not None)
-        replaced = [i for s, i in zip(specs, ids, strict=True) if i is not None and _replaces(s)]
+        replaced = [i for s, i in zip(specs, ids, strict=True) if i is not None and replaces(s)]
         twice = {i for i in replaced if counts[i] > 1}
         before = await job_versions(self, [i for i in replaced if i not in twice])
         deadline = trio.current_time() + self.timeout_s
@@ -836,7 +841,7 @@ class Client:
                 if job_id in twice:
                     results[i] = _unknown(f"{lost}; {job_id!r} is replaced twice in the batch")
                     continue
-                if job_id is not None and _replaces(spec):
+                if job_id is not None and replaces(spec):
                     try:
                         held = await replace_applied(
                             self, spec, before[job_id], timeout_s=remaining

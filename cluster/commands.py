@@ -569,6 +569,7 @@ async def submit_lines(
         created_as_sent,
         job_versions,
         replace_applied,
+        replaces,
     )
     from engine.jobs import new_job_id
 
@@ -606,13 +607,33 @@ async def submit_lines(
 
     ids_seen = Counter(line.job_id for line in lines)
 
-    async def settled_replace(line: SubmitLine, before: dict[str, int]) -> bool:
+    async def to_send_again(
+        part: list[SubmitLine], before: dict[str, int], budget_s: float
+    ) -> list[SubmitLine]:
+        """``part`` less its replacing lines that need no second attempt (:func:`settled_
+        replace`), read back in parallel within ``budget_s`` (one after another, each with
+        its own timeout, a node gone cost a timeout per line: found by review)."""
+        settled: set[int] = set()
+        limit = trio.Semaphore(64)
+
+        async def one(line: SubmitLine) -> None:
+            async with limit:
+                if await settled_replace(line, before, budget_s):
+                    settled.add(id(line))
+
+        async with trio.open_nursery() as nursery:
+            for line in part:
+                if replaces(line.spec):
+                    nursery.start_soon(one, line)
+        return [line for line in part if id(line) not in settled]
+
+    async def settled_replace(line: SubmitLine, before: dict[str, int], budget_s: float) -> bool:
         """After a broken connection, for a line that replaces a job (``replace: true``):
         True when nothing more is to be sent for it: its job moved on from the version read
         before the first attempt and holds the line's spec (applied), or whether it was
         applied cannot be known (the job changed into something else, its id stands twice in
         the file, or it cannot be read: the line is then unconfirmed)."""
-        if line.spec.get("replace") is not True:
+        if not replaces(line.spec):
             return False
         if line.job_id not in before:
             line.error = (
@@ -621,9 +642,7 @@ async def submit_lines(
             line.unconfirmed = True
             return True
         try:
-            held = await replace_applied(
-                client, line.spec, before[line.job_id], timeout_s=timeout_s
-            )
+            held = await replace_applied(client, line.spec, before[line.job_id], timeout_s=budget_s)
             return held is not None
         except ClientError as exc:
             line.error, line.unconfirmed = f"{exc.code}: {exc}", True
@@ -635,13 +654,9 @@ async def submit_lines(
         # A replacing create is never answered `exists`: sent again after a lost reply, it
         # would be applied twice (one more version, an `every` restarted: found by review).
         # Such a batch is sent once a try, and what an earlier try applied is not sent again.
-        replacing = any(line.spec.get("replace") is True for line in part)
+        replacing = any(replaces(line.spec) for line in part)
         before: dict[str, int] = {}  # replaced jobs' versions before the first attempt
-        first = [
-            line.job_id
-            for line in part
-            if line.spec.get("replace") is True and ids_seen[line.job_id] == 1
-        ]
+        first = [line.job_id for line in part if replaces(line.spec) and ids_seen[line.job_id] == 1]
         if first:
             try:  # (in parallel: one after another, they outlasted the stall limit)
                 before = await job_versions(client, first, timeout_s=timeout_s)
@@ -673,7 +688,8 @@ async def submit_lines(
                 if replacing and sent_on:
                     if isinstance(exc, ConnectionLost):
                         await trio.sleep(0.05)  # (a reconnect is under way)
-                    part = [line for line in part if not await settled_replace(line, before)]
+                    left = stall_s - (trio.current_time() - answered_at)
+                    part = await to_send_again(part, before, max(0.001, min(timeout_s, left)))
                     specs = [line.spec for line in part]
                     if not part:
                         return

@@ -481,7 +481,7 @@ def test_a_replacing_batch_keeps_the_per_entry_answers_of_plain_creates(
         assert client.generation == 2
         assert [r["ok"] for r in results] == [True, False, True]
         assert results[1]["error"]["code"] == "exists"
-        for bad in (["x"], 5):
+        for bad in (["x"], 5, "bad id!"):
             results = await client.create_many(
                 [{"id": bad, **a, "replace": True}, {"id": "q", **a, "replace": True}]
             )

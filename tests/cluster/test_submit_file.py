@@ -353,3 +353,65 @@ def test_a_replacing_line_whose_reply_was_lost_is_applied_once() -> None:
     assert [line.error for line in lines] == [None, None]
     assert fake.versions == {"r": 2, "n": 1}
     assert fake.sent == [["r", "n"], ["n"]]  # the replace was not sent again
+
+
+def test_replacing_lines_of_a_batch_lost_with_its_node_are_read_back_within_the_stall_limit(
+    tmp_path: Path,
+) -> None:
+    """The node's host goes while a batch of replacing lines is out: each line was read
+    back one after another, each with a whole timeout (a node gone cost a timeout per line,
+    hours for a big file: found by review). They are read in parallel within the stall
+    limit, and left unconfirmed."""
+    from cluster.node import Node
+
+    spec = {"schedule": FAR, "task": {"shell": "echo X"}}
+
+    async def main() -> tuple[list[Any], float]:
+        node = Node(tmp_path / "data", shards=2)
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(node.run)
+            gone = trio.CancelScope()
+            scopes: list[trio.CancelScope] = []
+
+            async def handle(down: trio.SocketStream) -> None:
+                up = await trio.open_tcp_stream("127.0.0.1", port)
+                with trio.CancelScope() as scope:
+                    scopes.append(scope)
+
+                    async def forward() -> None:
+                        async for data in down:
+                            if b"job.create_many" in data:
+                                gone.cancel()  # the host vanishes: nothing is accepted
+                                for s in scopes:
+                                    s.cancel()
+                                return
+                            await up.send_all(data)
+
+                    async def back() -> None:
+                        async for data in up:
+                            await down.send_all(data)
+
+                    async with trio.open_nursery() as inner:
+                        inner.start_soon(forward)
+                        inner.start_soon(back)
+                await down.aclose()
+                await up.aclose()
+
+            async def serve(task_status: trio.TaskStatus[Any]) -> None:
+                with gone:
+                    await trio.serve_tcp(handle, 0, host="127.0.0.1", task_status=task_status)
+
+            listeners = await nursery.start(serve)
+            proxy_port = listeners[0].socket.getsockname()[1]
+            async with Client.connect("127.0.0.1", proxy_port, timeout_s=1) as client:
+                client.reconnect = True
+                numbered = [(i, {**spec, "id": f"r{i}", "replace": True}) for i in range(1, 13)]
+                start = trio.current_time()
+                lines = await submit_lines(client, numbered, timeout_s=0.5, stall_s=1.0)
+                took = trio.current_time() - start
+            nursery.cancel_scope.cancel()
+        return lines, took
+
+    lines, took = trio.run(main)
+    assert took < 4, took  # not 12 lines x 0.5 s of read-back
+    assert all(line.error and line.unconfirmed for line in lines)
