@@ -28,7 +28,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, TypeVar
 
 import trio
 
@@ -43,6 +43,8 @@ from cluster.rawio import (
 from engine.errors import EngineUsageError
 from engine.jobs import new_job_id, validate_job, validate_job_id
 from engine.runs import FINAL_VALUES
+
+T = TypeVar("T")
 
 DEFAULT_TIMEOUT_S = 30.0
 #: set while the reconnect hook runs: its requests go out before anyone else's
@@ -219,28 +221,40 @@ async def job_version(client: Client, job_id: str, *, timeout_s: float | None = 
     return int(job["version"])
 
 
+async def in_parallel(
+    items: Iterable[T], fn: Callable[[T], Awaitable[None]], *, parallel: int = 64
+) -> None:
+    """``await fn(item)`` for every item, at most ``parallel`` at once: reads the client makes
+    per job (one after another, 10,000 of them took longer than a batch's whole timeout:
+    found by review)."""
+    limit = trio.Semaphore(parallel)
+
+    async def one(item: T) -> None:
+        async with limit:
+            await fn(item)
+
+    async with trio.open_nursery() as nursery:
+        for item in items:
+            nursery.start_soon(one, item)
+
+
 async def job_versions(
-    client: Client, ids: Iterable[str], *, timeout_s: float | None = None, parallel: int = 64
+    client: Client, ids: Iterable[str], *, timeout_s: float | None = None
 ) -> dict[str, int]:
-    """:func:`job_version` of each of ``ids``, up to ``parallel`` reads in flight (one after
-    another, 10,000 of them took longer than a batch's whole timeout: found by review).
-    Raises the first :class:`ClientError` met; the reads still out are abandoned."""
+    """:func:`job_version` of each of ``ids``, read :func:`in_parallel`. Raises the first
+    :class:`ClientError` met; the reads still out are abandoned."""
     out: dict[str, int] = {}
     failures: list[ClientError] = []
-    limit = trio.Semaphore(parallel)
     with trio.CancelScope() as scope:
 
-        async def one(job_id: str) -> None:
-            async with limit:
-                try:
-                    out[job_id] = await job_version(client, job_id, timeout_s=timeout_s)
-                except ClientError as exc:
-                    failures.append(exc)
-                    scope.cancel()
+        async def read(job_id: str) -> None:
+            try:
+                out[job_id] = await job_version(client, job_id, timeout_s=timeout_s)
+            except ClientError as exc:
+                failures.append(exc)
+                scope.cancel()
 
-        async with trio.open_nursery() as nursery:
-            for job_id in dict.fromkeys(ids):
-                nursery.start_soon(one, job_id)
+        await in_parallel(dict.fromkeys(ids), read)
     if failures:
         raise failures[0]
     return out

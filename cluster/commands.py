@@ -567,6 +567,7 @@ async def submit_lines(
         RequestNotSendable,
         RequestTimeout,
         created_as_sent,
+        in_parallel,
         job_versions,
         replace_applied,
         replaces,
@@ -614,17 +615,12 @@ async def submit_lines(
         replace`), read back in parallel within ``budget_s`` (one after another, each with
         its own timeout, a node gone cost a timeout per line: found by review)."""
         settled: set[int] = set()
-        limit = trio.Semaphore(64)
 
-        async def one(line: SubmitLine) -> None:
-            async with limit:
-                if await settled_replace(line, before, budget_s):
-                    settled.add(id(line))
+        async def check(line: SubmitLine) -> None:
+            if await settled_replace(line, before, budget_s):
+                settled.add(id(line))
 
-        async with trio.open_nursery() as nursery:
-            for line in part:
-                if replaces(line.spec):
-                    nursery.start_soon(one, line)
+        await in_parallel([line for line in part if replaces(line.spec)], check)
         return [line for line in part if id(line) not in settled]
 
     async def settled_replace(line: SubmitLine, before: dict[str, int], budget_s: float) -> bool:
@@ -633,8 +629,6 @@ async def submit_lines(
         before the first attempt and holds the line's spec (applied), or whether it was
         applied cannot be known (the job changed into something else, its id stands twice in
         the file, or it cannot be read: the line is then unconfirmed)."""
-        if not replaces(line.spec):
-            return False
         if line.job_id not in before:
             line.error = (
                 "replace: its id stands twice in the file; whether it was applied is unknown"
@@ -650,7 +644,6 @@ async def submit_lines(
 
     async def attempt(part: list[SubmitLine]) -> None:
         nonlocal answered_at
-        specs = [line.spec for line in part]
         # A replacing create is never answered `exists`: sent again after a lost reply, it
         # would be applied twice (one more version, an `every` restarted: found by review).
         # Such a batch is sent once a try, and what an earlier try applied is not sent again.

@@ -1986,7 +1986,7 @@ class ShardEngine:
             # Refused all the same, and recorded with its source so that a redelivery is a
             # repeat (found by review): its skip shares a time the schedule owes, which is
             # accounted for twice then, never not at all.
-            at = max(self._wall + 1, self._trigger_at.get(key, 0) + 1)
+            at = self._first_trigger_time(key)
         self._note_trigger_at(key, at)
         if refused is not None:
             self._skip(key, at, at, 1, refused, cmd.source_run_id)
@@ -2007,7 +2007,7 @@ class ShardEngine:
         of one run id: found by review). It waits until that millisecond. None when the
         first ``_TRIGGER_SEARCH_MS`` candidates are all taken (only a schedule firing every
         millisecond or two owes so many in a row)."""
-        at = max(self._wall + 1, self._trigger_at.get(key, 0) + 1)
+        at = self._first_trigger_time(key)
         nxt = self._next_due(key)
         schedule = self._profile(key).schedule
         for _ in range(_TRIGGER_SEARCH_MS):
@@ -2016,8 +2016,7 @@ class ShardEngine:
                 or at == nxt
                 # a run of that id that went out and ended (a clock behind after a restart
                 # reaches times that already ran: found by review)
-                or (key, at) in self._recent_out
-                or self._directory.has_run(key, at)
+                or self._ran(key, at)
                 or (
                     nxt is not None
                     and at > nxt
@@ -2028,6 +2027,11 @@ class ShardEngine:
                 return at
             at += 1
         return None
+
+    def _first_trigger_time(self, key: int) -> int:
+        """Where the search for a triggered time of job ``key`` starts: just after now, and
+        after every time earlier triggers of the job were given."""
+        return max(self._wall + 1, self._trigger_at.get(key, 0) + 1)
 
     def _note_trigger_at(self, key: int, at: int) -> None:
         """Remember ``at`` as the newest time given to a triggered run of job ``key`` (run or

@@ -1346,7 +1346,6 @@ class ShardStore:
             self._age_from = index_end
         jobs = sorted({codec.read_i64(k, 8) for k, _ in entries})
         kept: list[tuple[int, int]] = []
-        recent_before = report.kept_recent
         for job in jobs:
             raw = self._get(_NRUNS, codec.i64(job))
             stored, newest_ever, _flag = (
@@ -1369,7 +1368,6 @@ class ShardStore:
         wb.delete_range(index_from, index_end, self._h[_BYTIME])
         for at, job in kept:
             wb.put(codec.i64(at) + codec.i64(job), _EMPTY, self._h[_BYTIME])
-        report.kept_in_flight += len(kept) - (report.kept_recent - recent_before)
 
     def _retain_by_count(
         self,
@@ -1402,10 +1400,9 @@ class ShardStore:
                 continue
             # (the count pass leaves the time index alone: a kept newest keeps its entry, and
             # the deleted runs' entries age out, visiting nothing)
-            deleted, keep, _newest = self._drop_runs(
+            deleted, _keep, _newest = self._drop_runs(
                 wb, job, before=None, max_runs=n - limit, report=report
             )
-            report.kept_in_flight += len(keep)
             if deleted:
                 nruns[job] = n - deleted
             if n - deleted > limit:
@@ -1435,9 +1432,9 @@ class ShardStore:
         before it too, or the oldest ``max_runs`` — with their history and logs, as ranges
         split around the runs kept: those not in a final state, those that ended at or after
         ``before`` (their record's ``end``: a one-shot long past run now is young), and the
-        job's newest run when it is among those visited. Returns (runs deleted, the times to
-        index the runs kept at: an in-flight run's own, a young run's end; the time of the
-        newest run kept or None).
+        job's newest run when it is among those visited; counted in ``report``. Returns (runs
+        deleted, the times to index the runs kept at: an in-flight run's own, a young run's
+        end; the time of the newest run kept or None).
         The age pass keeps only the record of a final newest run: its history and logs go
         (``has_run`` needs the record alone), the logs leaving a marker of their bytes. O(runs visited), plus one seek past them to
         learn whether the last is the newest, unless ``newest_ever`` (the newest time the
@@ -1469,30 +1466,25 @@ class ShardStore:
             at = codec.read_i64(k, 8)
             record = None if before is None else self._decode(v[1:])
             ended = None if record is None else record.get("end")
-            if not isinstance(ended, int) or before is None or ended < before:
-                ended = None  # (no end, or of age: by its scheduled time)
-            young = ended is not None
-            if last_is_newest and i == len(runs) - 1:
+            if isinstance(ended, int) and before is not None and ended >= before:
+                keep.append(ended)  # ended within the age: whole, looked at again then
+                report.kept_recent += 1
+            elif last_is_newest and i == len(runs) - 1:
                 if before is None:
                     newest = at  # the count pass: whatever its state, it stays
-                elif ended is not None:
-                    keep.append(ended)  # ended within the age: whole, looked at again then
-                    report.kept_recent += 1
                 elif record is not None and record.get("state") in FINAL_VALUES:
                     newest = at  # past the age: its record stays, its history goes
                     aged.append(at)
                 else:
                     keep.append(at)  # in flight: kept and indexed again, as any run in flight
+                    report.kept_in_flight += 1
             else:
                 state = (record if record is not None else self._decode(v[1:])).get("state")
-                if state in FINAL_VALUES and not young:
+                if state in FINAL_VALUES:
                     deleted += 1
                     continue
-                if ended is not None:
-                    keep.append(ended)
-                    report.kept_recent += 1
-                else:
-                    keep.append(at)
+                keep.append(at)
+                report.kept_in_flight += 1
             if start < at:
                 segments.append((start, at))
             start = at + 1
