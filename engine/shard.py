@@ -317,6 +317,11 @@ class _Profile:
         )
 
 
+def _recovery_order(run: _Run) -> tuple[int, int]:
+    """Where a recovered run stands in the ready queue: see ShardEngine._after_recovery."""
+    return (run.at, run.key)
+
+
 def _asks_stop(policy: Policy) -> bool:
     """Whether a node-side timeout under ``policy`` asks a live worker to stop the task and
     waits for its confirmation (at-most-once, not "mark": see ShardEngine._node_timeout)."""
@@ -597,7 +602,10 @@ class ShardEngine:
             self._marks_expire_mono = (
                 self._mono + self.config.reattach_grace_ms + self.config.worker_lease_ms
             )
-        for run in self._runs.values():
+        # In scheduled order (the run's time, then its job's key), the order they fired in
+        # live: not the order they were loaded, which for a snapshot is (key, time), so the
+        # most overdue run of a late job would go out last. The same rule for a log replay.
+        for run in sorted(self._runs.values(), key=_recovery_order):
             if run.state is RunState.PENDING:
                 self._count_pending(run, +1)
                 run.maybe_sent = run.policy.delivery == "at_least_once"
