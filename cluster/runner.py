@@ -108,8 +108,13 @@ _NOT_FOUND: Final = 127
 _CANNOT_EXECUTE: Final = 126
 # How often the stop sequence looks whether the process group is empty yet.
 _GROUP_POLL_S: Final = 0.05
-# Upper bound on the ``<runtime> rm -f`` that removes a stopped container.
+# Upper bound on the ``<runtime> rm -f`` that removes a stopped container (and on the
+# ``container inspect`` that tells a failed removal from a container already gone).
 _CONTAINER_RM_S: Final = 10.0
+# Waits between attempts to remove a stopped task's container while a removal fails (a busy,
+# restarting or unreachable daemon): the attempt is not over, so it is not reported, until the
+# container is gone. The last wait repeats.
+_CONTAINER_RM_RETRY_S: tuple[float, ...] = (1.0, 2.0, 5.0, 10.0, 30.0)
 # Upper bound on reaping the leader after a SIGKILL when the call is being cancelled.
 _REAP_S: Final = 2.0
 _EPOCH: Final = datetime(1970, 1, 1, tzinfo=UTC)
@@ -786,9 +791,14 @@ async def run_task(
 
     unregistered = guard is None
 
-    def reaped() -> None:
+    def reaped(*, container_left: bool = False) -> None:
+        """Tell the guard the task is over, once its leader is reaped; with
+        ``container_left`` (its container could not be removed), never: the guard keeps it,
+        and removes the container when the worker goes."""
         nonlocal unregistered
-        if not unregistered and proc.returncode is not None:
+        if container_left:
+            unregistered = True
+        elif not unregistered and proc.returncode is not None:
             unregistered = True
             assert guard is not None
             guard.done(key)
@@ -934,7 +944,7 @@ async def _supervise(
     grace_s: float,
     chunk_bytes: int,
     drain_s: float,
-    reaped: Callable[[], None],
+    reaped: Callable[..., None],
 ) -> TaskOutcome:
     pgid = proc.pid  # start_new_session: the leader's pid is the group's id
     stdout, stderr = proc.stdout, proc.stderr
@@ -974,8 +984,12 @@ async def _supervise(
                     sigkill = await _stop_group(proc, pgid, grace_s, handle)
                 returncode = await proc.wait()
                 # The group is over (leader reaped, no member left): the guard forgets it
-                # now, not after the drain, so its id is never held past its reuse.
-                reaped()
+                # now, not after the drain, so its id is never held past its reuse. Not a
+                # stopped container's: it outlives its SIGKILLed client until the ``rm -f``
+                # below, and the guard must remove it if the worker dies meanwhile (the
+                # guard's ``done`` comes from run_task's ``finally``, after the removal).
+                if plan.container is None or stop is None:
+                    reaped()
                 # Everything the group wrote is in the pipes now: that much is read whatever
                 # the drain, and what was read is delivered however long on_output takes (it
                 # may be waiting out a node's outage). The drain bounds only the wait for the
@@ -998,9 +1012,6 @@ async def _supervise(
                 f"{'them' if len(held_open) > 1 else 'it'} open"
             )
         if stop is not None:
-            if plan.container is not None:
-                with trio.CancelScope(shield=True):
-                    await _remove_container(plan)
             await out.notice(
                 stop_notice(
                     stop,
@@ -1010,6 +1021,8 @@ async def _supervise(
                     at_once=handle.at_once,
                 )
             )
+            if plan.container is not None:
+                await _remove_container_until_gone(plan, out)
     except BaseException:
         # Cancelled from outside, or on_output raised: nothing we started may outlive us, and
         # there is no time for a grace.
@@ -1017,8 +1030,8 @@ async def _supervise(
             _signal_group(pgid, signal.SIGKILL)
             with trio.move_on_after(_REAP_S):
                 await proc.wait()
-            if plan.container is not None:
-                await _remove_container(plan)
+            if plan.container is not None and await _remove_container(plan) is not None:
+                reaped(container_left=True)  # the guard removes it once the worker is gone
         raise
     finally:
         with trio.CancelScope(shield=True):
@@ -1091,24 +1104,81 @@ async def _stop_group(
     return True
 
 
-async def _remove_container(plan: Launch) -> None:
-    """``<runtime> rm -f NAME``, best effort and bounded: the container of a stopped task may
-    still run after its runtime client was SIGKILLed."""
+async def _remove_container(plan: Launch) -> str | None:
+    """``<runtime> rm -f NAME``, bounded: the container of a stopped task may still run after
+    its runtime client was SIGKILLed. None once the container is gone: the removal succeeded,
+    or it failed and ``<runtime> container inspect NAME`` says there is no such container (a
+    ``--rm`` container that ended by itself); else what went wrong, for the task's log."""
     assert plan.runtime is not None and plan.container is not None
+    problem = await _bounded_runtime_call(plan, ["rm", "-f", plan.container])
+    if problem is None:
+        return None
+    inspected = await _bounded_runtime_call(plan, ["container", "inspect", plan.container])
+    if inspected is not None and "no such" in inspected.lower():
+        return None
+    return problem
+
+
+async def _bounded_runtime_call(plan: Launch, args: list[str]) -> str | None:
+    """Run ``<runtime> ARGS`` for at most :data:`_CONTAINER_RM_S`: None if it exited 0, else
+    why not (its exit status and the end of its stderr, a timeout, or a failure to start)."""
+    assert plan.runtime is not None
+    what = f"{plan.runtime} {' '.join(args)}"
     try:
-        rm = await trio.lowlevel.open_process(
-            [plan.runtime, "rm", "-f", plan.container],
+        proc = await trio.lowlevel.open_process(
+            [plan.runtime, *args],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
             env=dict(plan.env),
             start_new_session=True,
         )
-    except OSError:
-        return
-    with trio.move_on_after(_CONTAINER_RM_S):
-        await rm.wait()
-        return
-    rm.kill()
-    with trio.move_on_after(_REAP_S):
-        await rm.wait()
+    except OSError as exc:
+        return f"{what}: {exc}"
+    assert proc.stderr is not None
+    err = bytearray()
+    try:
+        with trio.move_on_after(_CONTAINER_RM_S):
+            while chunk := await proc.stderr.receive_some(4096):
+                del err[: max(0, len(err) + len(chunk) - 4096)]  # (the tail is enough)
+                err += chunk
+            await proc.wait()
+        if proc.returncode is None:
+            proc.kill()
+            with trio.move_on_after(_REAP_S):
+                await proc.wait()
+            return f"{what}: no answer within {_CONTAINER_RM_S:g} s"
+    finally:
+        with trio.CancelScope(shield=True):
+            await proc.stderr.aclose()
+    if proc.returncode == 0:
+        return None
+    said = err.decode(errors="replace").strip().splitlines()
+    return f"{what}: exit {proc.returncode}" + (f": {said[-1]}" if said else "")
+
+
+async def _remove_container_until_gone(plan: Launch, out: _Output) -> None:
+    """:func:`_remove_container` until the container is gone, waiting
+    :data:`_CONTAINER_RM_RETRY_S` between attempts. The run is held meanwhile, and not
+    reported: a ``timed_out`` or ``killed`` report tells the node the task is over (an
+    at-most-once retry may then start), which is not true while its container may run. Each
+    attempt is shielded; the waits are not, so a worker that is ending is not held up (its
+    guard removes the container after it, see :mod:`cluster.watchdog`)."""
+    assert plan.container is not None
+    failures = 0
+    while True:
+        with trio.CancelScope(shield=True):
+            problem = await _remove_container(plan)
+        if problem is None:
+            if failures:
+                await out.notice(f"removed container {plan.container} after {failures + 1} tries")
+            return
+        wait = _CONTAINER_RM_RETRY_S[min(failures, len(_CONTAINER_RM_RETRY_S) - 1)]
+        if not failures:
+            await out.notice(
+                f"cannot remove container {plan.container} ({problem}): it may still run, so "
+                f"the run is not reported until it is removed; trying again every {wait:g} s "
+                "or more"
+            )
+        failures += 1
+        await trio.sleep(wait)
