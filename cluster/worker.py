@@ -408,7 +408,9 @@ class WorkerAgent:
         :func:`stop_disposition` says). The running tasks then have up to ``drain_s`` to end
         on their own, reported as usual (:meth:`skip_drain` cuts the drain short). What still
         runs is stopped the ordinary way (SIGTERM to the group, the kill grace, SIGKILL; a
-        payload handler is cancelled) and reported or handed back (:func:`stop_disposition`).
+        payload handler is cancelled: one that ignores its cancellation cannot be stopped
+        from inside the process, and :meth:`run` ends only when it returns) and reported or
+        handed back (:func:`stop_disposition`).
         Then up to ``ack_timeout_s`` for the node to acknowledge those reports and the hello
         that hands runs back; runs it has not acknowledged by then are left to the node
         (their lease lapses). Every step is logged. Returns whether everything was
@@ -439,8 +441,8 @@ class WorkerAgent:
         for _rid, held in left:
             held.hand_back = stop_disposition(held.ticket.delivery) == "hand_back"
             held.stop(STOPPING)
-        # The stop sequence ends within the grace (SIGKILL then); a payload handler that
-        # ignores its cancellation could hold it longer: bounded, then SIGKILL at once.
+        # The stop sequence ends within the grace (SIGKILL then), or a little later (a stopped
+        # container's removal): bounded, then SIGKILL at once.
         with trio.move_on_after(self.kill_grace_s + 5):
             await self._wait_for(lambda: not self.running)
         if self.running:
@@ -448,6 +450,16 @@ class WorkerAgent:
                 held.stop(STOPPING, at_once=True)
             with trio.move_on_after(5):
                 await self._wait_for(lambda: not self.running)
+        if self.running:
+            # Nothing in this process can end a payload handler that ignores its cancellation
+            # (a blocking call in a thread, a shielded scope, a caught Cancelled in a loop):
+            # run() ends when it returns. Said, so that whoever waits knows what for.
+            stuck = [rid for rid, h in self.held.items() if h.outcome is None]
+            log.error(
+                "still running after the stop: %s (a payload handler that ignores its "
+                "cancellation; run() ends when it returns)",
+                " ".join(stuck) or f"{self.running} tasks",
+            )
         with trio.move_on_after(ack_timeout_s):
             await self._wait_for(lambda: not self.held and not self._greeting)
         done = not self.held and not self._greeting and not self.running
@@ -899,21 +911,27 @@ class WorkerAgent:
                     await on_output("stderr", b"tickwheel: this worker runs no payload tasks\n")
                     outcome, code = "failed", None
                 else:
+                    # One call at a time, as the runner's output goes: a handler's tasks that
+                    # write at once while the connection is made again could otherwise have a
+                    # later chunk land first, and the node drops a chunk behind what it has.
+                    output_lock = trio.Lock()
 
                     async def handler_output(stream: str, data: bytes | str) -> None:
                         name, raw = payload_chunk(stream, data)
                         # In CHUNK_BYTES pieces, as a process's output goes: one request over
                         # the frame limit could not be sent at all, and the whole of it was
                         # lost without a word (found by review: 9 MB in one call).
-                        for start in range(0, len(raw), CHUNK_BYTES):
-                            await on_output(name, raw[start : start + CHUNK_BYTES])
+                        async with output_lock:
+                            for start in range(0, len(raw), CHUNK_BYTES):
+                                await on_output(name, raw[start : start + CHUNK_BYTES])
 
                     # The timeout is the worker's to enforce, as for a process (the node acts
                     # only at timeout + its grace, and only when reachable); "mark" lets the
                     # handler run on while the node records TIMED_OUT.
                     timeout_ms = None if ticket.on_timeout == "mark" else ticket.timeout_ms
                     outcome, code = "killed", None
-                    with trio.CancelScope() as held.scope:  # a kill or a fence cancels it
+                    with trio.CancelScope() as stop_scope:  # a kill or a fence cancels it
+                        held.scope = stop_scope
                         timing = (
                             trio.move_on_after(timeout_ms / 1000)
                             if timeout_ms is not None
@@ -945,6 +963,10 @@ class WorkerAgent:
                             )
                             await on_output("stderr", line.encode())
                     held.scope = None
+                    if stop_scope.cancel_called and outcome != "timed_out":
+                        # Stopped (a kill, a graceful stop): the stop wins over what the
+                        # handler returned, as for a process (runner.decide_outcome).
+                        outcome, code = "killed", None
             else:
                 # ("mark": run_task leaves the task running past its timeout.)
                 result = await run_task(
