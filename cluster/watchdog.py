@@ -20,12 +20,21 @@ spawned with ``close_fds``). The worker writes one line per event:
   needs to reach the same daemon.
 - ``S <key> <pgid>``: it was spawned, leader of process group ``pgid``.
 - ``D <key>``: its group is over (leader reaped, group empty), or its spawn failed.
+- ``F <ms>``: the fence deadline, on ``CLOCK_MONOTONIC`` in milliseconds (the same clock for
+  every process of the machine): moved on each heartbeat the node acknowledged
+  (:func:`engine.lease.guard_fence_at`, a little after the worker's own fence).
 
 When the pipe reaches end-of-file (the worker exited, however: a clean stop closes it after
 its tasks are reaped, a crash or SIGKILL closes it in the kernel), the guard SIGKILLs every
 group still registered, hunts the tasks announced but not yet registered (by their marker in
 ``/proc/PID/environ``), removes their containers (``<runtime> rm -f NAME``, as the runner's kill
 path does), and exits. With nothing registered it exits quietly.
+
+When the fence deadline passes with tasks registered, the worker has not fenced itself though
+it should have (it is stopped, or its event loop is blocked by synchronous code): the guard
+kills them the same way, forgets them and the deadline, and carries on (the worker may run
+again; it then finds its tasks gone and fences). Without this, a frozen worker's tasks ran on
+past its lease, beside the attempt the node handed out again.
 
 Windows, and what covers them:
 
@@ -52,6 +61,7 @@ was told about and processes carrying a registered marker.
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -67,11 +77,13 @@ __all__ = [
     "Announce",
     "Done",
     "Doom",
+    "Fence",
     "MessageError",
     "Spawned",
     "Watch",
     "format_announce",
     "format_done",
+    "format_fence",
     "format_spawned",
     "hunt",
     "main",
@@ -126,7 +138,15 @@ class Done:
     key: int
 
 
-Message = Announce | Spawned | Done
+@dataclass(frozen=True, slots=True)
+class Fence:
+    """Kill every registered task if the worker has said nothing newer by ``deadline_ms``
+    (``CLOCK_MONOTONIC``, milliseconds)."""
+
+    deadline_ms: int
+
+
+Message = Announce | Spawned | Done | Fence
 
 
 def format_announce(
@@ -153,11 +173,17 @@ def format_done(key: int) -> bytes:
     return b"D %d\n" % key
 
 
+def format_fence(deadline_ms: int) -> bytes:
+    return b"F %d\n" % deadline_ms
+
+
 def parse_line(line: bytes) -> Message:
     """One line (without its newline) as a message. Raises :class:`MessageError`."""
     parts = line.split(b" ")
     try:
         kind, key = parts[0], int(parts[1])
+        if kind == b"F" and len(parts) == 2:
+            return Fence(key)  # (a deadline, not a key: any value of the clock)
         if key < 0:
             raise ValueError(key)
         if kind == b"A" and len(parts) in (3, 5, 6):
@@ -220,10 +246,14 @@ class Watch:
     and replays it (:meth:`lines`) to a new guard."""
 
     tasks: dict[int, _Task] = field(default_factory=dict)
+    #: the newest fence deadline (``F``); None before the first and after it was acted on
+    fence_at: int | None = None
 
     def apply(self, message: Message, *, start: int | None = None) -> None:
         """Take one message; ``start`` is the leader's start time read for a ``S``."""
-        if isinstance(message, Announce):
+        if isinstance(message, Fence):
+            self.fence_at = message.deadline_ms
+        elif isinstance(message, Announce):
             self.tasks[message.key] = _Task(message.marker, message.container)
         elif isinstance(message, Spawned):
             task = self.tasks.get(message.key)
@@ -248,9 +278,24 @@ class Watch:
                 containers.append(task.container)
         return Doom(groups, tuple(markers), tuple(containers))
 
+    def wait_ms(self, now_ms: int) -> int | None:
+        """How long the guard may wait for input before it must act on the fence deadline
+        (0: now); None while no deadline applies (none set, or nothing to kill)."""
+        if self.fence_at is None or not self.tasks:
+            return None
+        return max(0, self.fence_at - now_ms)
+
+    def fence_now(self) -> Doom:
+        """The deadline passed: what to kill (every task), which is forgotten with it."""
+        doom = self.doom()
+        self.tasks.clear()
+        self.fence_at = None
+        return doom
+
     def lines(self) -> list[bytes]:
-        """The messages that rebuild this state in a fresh guard (in key order)."""
-        out: list[bytes] = []
+        """The messages that rebuild this state in a fresh guard (the deadline first, then
+        the tasks in key order)."""
+        out: list[bytes] = [] if self.fence_at is None else [format_fence(self.fence_at)]
         for key in sorted(self.tasks):
             task = self.tasks[key]
             out.append(format_announce(key, task.marker, task.container))
@@ -317,6 +362,11 @@ def _log(message: str) -> None:
         pass
 
 
+def _now_ms() -> int:
+    """``CLOCK_MONOTONIC`` in ms, as the worker reads it (``time.monotonic_ns``)."""
+    return time.monotonic_ns() // 1_000_000
+
+
 def _start_time(pid: int) -> int | None:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -343,7 +393,7 @@ def _processes() -> list[tuple[int, int, bytes]]:
     return out
 
 
-def _kill(doom: Doom, worker: int) -> None:
+def _kill(doom: Doom, why: str) -> None:
     killed = []
     for pgid, start in doom.groups.items():
         if not may_kill(start, _start_time(pgid)):
@@ -397,7 +447,7 @@ def _kill(doom: Doom, worker: int) -> None:
             rm.kill()
             rm.wait()
     _log(
-        f"the worker (pid {worker}) is gone: SIGKILLed task process groups "
+        f"{why}: SIGKILLed task process groups "
         f"{' '.join(map(str, killed)) or '(none)'}"
         + (f", unregistered tasks {' '.join(map(str, sorted(hunted)))}" if hunted else "")
         + (f", removed {len(rms)} containers" if rms else "")
@@ -415,6 +465,12 @@ def main() -> int:
     watch = Watch()
     pending = b""
     while True:
+        wait = watch.wait_ms(_now_ms())
+        if wait is not None and not select.select([0], [], [], wait / 1000)[0]:
+            # Nothing from the worker by its fence deadline (a newer ``F`` would have come
+            # with its acknowledged heartbeat): it cannot fence itself, so the guard does.
+            _kill(watch.fence_now(), f"the worker (pid {worker}) passed its fence deadline")
+            continue
         try:
             data = os.read(0, 65536)
         except InterruptedError:
@@ -439,7 +495,7 @@ def main() -> int:
         time.sleep(COALESCE_S)
     doom = watch.doom()
     if doom:
-        _kill(doom, worker)
+        _kill(doom, f"the worker (pid {worker}) is gone")
     return 0
 
 

@@ -29,7 +29,16 @@ from typing import Final
 
 import trio
 
-from cluster.watchdog import Announce, Done, Spawned, Watch, format_done, format_spawned
+from cluster.watchdog import (
+    Announce,
+    Done,
+    Fence,
+    Spawned,
+    Watch,
+    format_done,
+    format_fence,
+    format_spawned,
+)
 from cluster.watchdog import format_announce as _format_announce
 
 __all__ = ["GUARD_ARGV", "WatchdogLink"]
@@ -56,6 +65,9 @@ class WatchdogLink:
     ``nursery.start``); :meth:`announce`, :meth:`spawned` and :meth:`done` are called by the
     runner around each spawn (from the Trio thread, never blocking); :meth:`aclose` ends it
     cleanly once the worker's tasks are reaped.
+
+    :meth:`fence` moves the deadline at which the guard kills the tasks of a worker that did
+    not fence itself.
 
     ``guard_argv`` is the guard's command line (tests may swap it). ``pid`` is the running
     guard's process id (None while there is none); ``starts`` counts the guards started."""
@@ -97,6 +109,14 @@ class WatchdogLink:
         if key in self.mirror.tasks:
             self.mirror.apply(Done(key))
             self._send(format_done(key))
+
+    def fence(self, deadline_ms: int) -> None:
+        """The guard kills every task still registered at ``deadline_ms`` (``CLOCK_MONOTONIC``
+        ms) unless told a later deadline first: the worker's fence, kept by a process that
+        runs when the worker cannot (:func:`engine.lease.guard_fence_at`)."""
+        if deadline_ms != self.mirror.fence_at:
+            self.mirror.apply(Fence(deadline_ms))
+            self._send(format_fence(deadline_ms))
 
     # ------------------------------------------------------------------ the guard's life
 

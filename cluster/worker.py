@@ -59,7 +59,7 @@ from cluster.protocol import MAX_WORKER_SLOTS
 from cluster.runner import CHUNK_BYTES, RunHandle, TaskNotRunnable, run_task
 from cluster.watchdog_link import WatchdogLink
 from engine.effects import RunTicket
-from engine.lease import EpochFence, stop_disposition, worker_fence_at
+from engine.lease import EpochFence, guard_fence_at, stop_disposition, worker_fence_at
 from engine.routing import shard_of
 from engine.runs import token_epoch
 from wal.errors import StoreError
@@ -596,7 +596,8 @@ class WorkerAgent:
         self.lease_ms = int(result["lease_ms"])
         self.shards = int(result.get("shards", 0))
         self._acked(sent)
-        self._wake_fence()  # the lease may have changed: the deadline with it
+        self._tell_guard_fence()  # the lease may have changed: the deadlines with it
+        self._wake_fence()
         # Reports the node may have missed while the connection was down.
         for rid, held in list(self.held.items()):
             if held.outcome is not None:
@@ -634,8 +635,15 @@ class WorkerAgent:
         deadline moves (replies may come out of order: only a later send moves it)."""
         if sent_ms > self.acked_sent_ms:
             self.acked_sent_ms = sent_ms
+            self._tell_guard_fence()
             if self._fence_due:
                 self._wake_fence()
+
+    def _tell_guard_fence(self) -> None:
+        """Move the guard's fence deadline (:func:`engine.lease.guard_fence_at`): the guard
+        kills the tasks of a worker that cannot fence itself (stopped, its loop blocked)."""
+        if self.watchdog is not None and self.acked_sent_ms:
+            self.watchdog.fence(guard_fence_at(self.acked_sent_ms, self.lease_ms, FENCE_MARGIN_MS))
 
     def _wake_fence(self) -> None:
         wake = self._fence_wake

@@ -591,6 +591,18 @@ def worker_fence_at(heartbeat_sent_ms: int, lease_ms: int, margin_ms: int) -> in
     return heartbeat_sent_ms + max(lease_ms - margin_ms, lease_ms // 2)
 
 
+def guard_fence_at(heartbeat_sent_ms: int, lease_ms: int, margin_ms: int) -> int:
+    """When a worker's guard (``cluster.watchdog``, a process of its own) kills the worker's
+    tasks if the worker has not fenced itself by then (:func:`worker_fence_at`): halfway
+    from the worker's own deadline to the earliest moment the node may consider it gone
+    (``heartbeat_sent_ms + lease_ms``). A worker that runs fences first, so its tasks end as
+    fenced; one that cannot (stopped, its loop blocked by synchronous code) still has them
+    killed before the node hands its runs out again. The result is no earlier than the
+    worker's own deadline, and earlier than the node's whenever that one is."""
+    fence = worker_fence_at(heartbeat_sent_ms, lease_ms, margin_ms)
+    return fence + (heartbeat_sent_ms + lease_ms - fence) // 2
+
+
 def stop_disposition(delivery: str) -> str:
     """What a stopping worker does with a run it will not finish (stopped at the end of the
     drain, or dispatched while stopping and never started): ``report`` it as ``killed``, or
@@ -627,6 +639,7 @@ __all__ = [
     "StartActing",
     "StopActing",
     "clock_disagreement",
+    "guard_fence_at",
     "preference",
     "stop_disposition",
     "worker_fence_at",

@@ -22,11 +22,13 @@ from cluster.runner import _group_alive, container_client_env, guard_marker
 from cluster.watchdog import (
     Announce,
     Done,
+    Fence,
     MessageError,
     Spawned,
     Watch,
     format_announce,
     format_done,
+    format_fence,
     format_spawned,
     hunt,
     may_kill,
@@ -53,6 +55,7 @@ def test_lines_round_trip() -> None:
     assert parse_line(format_announce(4, MARKER, with_env)[:-1]) == Announce(4, MARKER, with_env)
     assert parse_line(format_spawned(5, 1234)[:-1]) == Spawned(5, 1234)
     assert parse_line(format_done(5)[:-1]) == Done(5)
+    assert parse_line(format_fence(123_456_789)[:-1]) == Fence(123_456_789)
     # a run id with spaces or newlines cannot break a line: the marker goes as hex
     odd = (b"TICKWHEEL_RUN_ID=a b\nc@1",)
     assert parse_line(format_announce(1, odd, None)[:-1]) == Announce(1, odd)
@@ -61,7 +64,7 @@ def test_lines_round_trip() -> None:
 @pytest.mark.parametrize(
     "line",
     [b"", b"A", b"X 1", b"A 1", b"A x 6162", b"A 1 zz", b"A 1 6162 00", b"S 1", b"S 1 1",
-     b"S 1 0", b"S 1 -5", b"S -1 9", b"D", b"D 1 2", b"A 1 61000062", b"A 1 6100", b"A 1 6162 " + b"ff" * 3 + b" 61"],
+     b"S 1 0", b"S 1 -5", b"S -1 9", b"D", b"D 1 2", b"A 1 61000062", b"A 1 6100", b"A 1 6162 " + b"ff" * 3 + b" 61", b"F", b"F x", b"F 1 2"],
 )  # fmt: skip
 def test_malformed_lines_are_refused(line: bytes) -> None:
     with pytest.raises(MessageError):
@@ -112,7 +115,7 @@ def test_the_marker_is_the_run_id_and_the_fence() -> None:
 # A simple model: key -> None (announced) or its pgid (registered).
 _ops = st.lists(
     st.tuples(
-        st.sampled_from(["A", "S", "D"]),
+        st.sampled_from(["A", "S", "D", "F", "fence"]),
         st.integers(0, 6),
         st.integers(2, 9),
         st.booleans(),
@@ -125,12 +128,25 @@ _ops = st.lists(
 @given(_ops)
 def test_watch_follows_a_simple_model(ops: list[tuple[str, int, int, bool]]) -> None:
     """Through the wire format: what end-of-file kills is exactly the model's registered
-    groups and announced tasks, and a replay (``lines``) rebuilds the same state."""
+    groups and announced tasks; the fence deadline applies only while something is
+    registered, and acting on it kills everything and forgets it with the deadline; a replay
+    (``lines``) rebuilds the same state."""
     watch = Watch()
     model: dict[int, tuple[int | None, bool]] = {}
+    deadline: int | None = None
     for kind, key, pgid, boxed in ops:
         box = ("docker", f"c{key}", "") if boxed else None
-        if kind == "A":
+        if kind == "fence":  # the guard acts on its deadline (not a line)
+            before = (set(watch.doom().groups), len(watch.doom().markers))
+            doomed = watch.fence_now()
+            assert (set(doomed.groups), len(doomed.markers)) == before
+            model, deadline = {}, None
+            assert not watch.doom() and watch.wait_ms(0) is None
+            continue
+        if kind == "F":
+            line = format_fence(key * 1000)
+            deadline = key * 1000
+        elif kind == "A":
             line = format_announce(key, (b"R=%d" % key, b"F=1"), box)
             model[key] = (None, boxed)
         elif kind == "S":
@@ -151,12 +167,15 @@ def test_watch_follows_a_simple_model(ops: list[tuple[str, int, int, bool]]) -> 
         )
         assert len(doom.containers) == sum(b for _, b in model.values())
         assert bool(doom) == bool(model)
+        expected_wait = None if deadline is None or not model else max(0, deadline - 2500)
+        assert watch.wait_ms(2500) == expected_wait
         again = Watch()
         for replayed in watch.lines():
             again.apply(parse_line(replayed.rstrip(b"\n")))
         assert {k: (t.pgid, t.marker, t.container) for k, t in again.tasks.items()} == {
             k: (t.pgid, t.marker, t.container) for k, t in watch.tasks.items()
         }
+        assert again.fence_at == watch.fence_at == deadline
 
 
 # --------------------------------------------------------------------------------------------
@@ -224,6 +243,54 @@ def test_guard_finds_a_task_announced_but_not_registered(guard: Any) -> None:
         for p in (other, unregistered):
             p.kill()
             p.wait()
+
+
+def test_guard_kills_registered_groups_at_the_fence_deadline_and_carries_on(guard: Any) -> None:
+    """A worker that says nothing by its fence deadline (stopped, its loop blocked) cannot
+    fence itself: the guard kills its tasks then, without end-of-file, and goes on guarding
+    what the worker registers afterwards (it may run again)."""
+    proc, pipe = guard
+    doomed, later = _sleeper(), _sleeper()
+    try:
+        now_ms = time.monotonic_ns() // 1_000_000
+        pipe.write(format_announce(1, MARKER, None) + format_spawned(1, doomed.pid))
+        pipe.write(format_fence(now_ms + 300))
+        assert doomed.wait(10) == -signal.SIGKILL
+        assert proc.poll() is None  # still guarding
+        # The worker again: a new deadline, a new task; end-of-file still kills what it holds.
+        now_ms = time.monotonic_ns() // 1_000_000
+        pipe.write(format_fence(now_ms + 60_000))
+        pipe.write(format_announce(2, (b"X=1",), None) + format_spawned(2, later.pid))
+        time.sleep(0.3)
+        assert later.poll() is None
+        pipe.close()
+        assert proc.wait(10) == 0
+        assert later.wait(10) == -signal.SIGKILL
+        err = proc.stderr.read().decode()
+        assert f"passed its fence deadline: SIGKILLed task process groups {doomed.pid}" in err
+        assert f"is gone: SIGKILLed task process groups {later.pid}" in err
+    finally:
+        for p in (doomed, later):
+            p.kill()
+            p.wait()
+
+
+def test_a_deadline_renewed_in_time_kills_nothing(guard: Any) -> None:
+    proc, pipe = guard
+    task = _sleeper()
+    try:
+        pipe.write(format_announce(1, MARKER, None) + format_spawned(1, task.pid))
+        for _ in range(6):  # renewed every 0.1 s, each 0.4 s ahead
+            pipe.write(format_fence(time.monotonic_ns() // 1_000_000 + 400))
+            time.sleep(0.1)
+        assert task.poll() is None
+        pipe.write(format_done(1))
+        pipe.close()
+        assert proc.wait(10) == 0
+        assert task.poll() is None
+    finally:
+        task.kill()
+        task.wait()
 
 
 def test_guard_with_nothing_registered_exits_quietly(guard: Any) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import pytest
-from hypothesis import HealthCheck, Phase, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -46,7 +46,9 @@ from engine.lease import (
     StartActing,
     StopActing,
     clock_disagreement,
+    guard_fence_at,
     preference,
+    worker_fence_at,
 )
 from engine.routing import shard_of
 
@@ -529,3 +531,23 @@ def test_routing_is_stable_and_spread() -> None:
     assert preference(2, [n for n in order if n != order[0]]) == order[1:]
     with pytest.raises(EngineUsageError):
         shard_of("x", 0)
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    sent=st.integers(0, 2**40),
+    lease=st.integers(1, 600_000),
+    margin=st.integers(0, 10_000),
+)
+def test_the_guards_fence_comes_after_the_workers_and_before_the_nodes(
+    sent: int, lease: int, margin: int
+) -> None:
+    """A worker that runs fences first (its tasks end as fenced, not as killed by its guard);
+    the guard still kills them before the node can consider the worker gone."""
+    own = worker_fence_at(sent, lease, margin)
+    guard = guard_fence_at(sent, lease, margin)
+    assert own <= guard
+    if own < sent + lease:
+        assert guard < sent + lease
+    if sent + lease - own >= 2:
+        assert own < guard
