@@ -324,8 +324,11 @@ def _recovery_order(run: _Run) -> tuple[int, int]:
 
 def _asks_stop(policy: Policy) -> bool:
     """Whether a node-side timeout under ``policy`` asks a live worker to stop the task and
-    waits for its confirmation (at-most-once, not "mark": see ShardEngine._node_timeout)."""
-    return policy.delivery == "at_most_once" and policy.on_timeout != "mark"
+    waits for its confirmation (not "mark", which stops nothing: see
+    ShardEngine._node_timeout). Whatever the delivery: a worker whose stop outlasts the
+    node's grace (a long kill grace, a container still being removed) would otherwise see
+    its at-least-once attempt retried beside it."""
+    return policy.on_timeout != "mark"
 
 
 def _spec_missing(key: int, version: int, found: tuple[Any, ...] | None) -> EngineStateError:
@@ -2322,6 +2325,11 @@ class ShardEngine:
         if run.policy.delivery == "at_least_once":
             if "no-redispatch" in self.config.mutants:
                 return  # the mutant: the run stays with its lapsed worker forever
+            if run.stopping:
+                # Past its timeout, asked to stop, and its worker went: the timeout stands,
+                # unconfirmed, with its handler (retries included), not a free new attempt.
+                self._timed_out(run, confirmed=False)
+                return
             self._requeue(run, "worker lost it")
         else:
             run.grace = True
@@ -2354,16 +2362,17 @@ class ShardEngine:
         if run is None or kind is None or run.state._value_ not in IN_FLIGHT_VALUES:
             return
         if kind == "grace":
-            if run.policy.delivery == "at_least_once":
-                self._requeue(run, "not re-attached within the grace")
-            elif run.stopping:
+            if run.stopping:
                 # Timed out and asked to stop, then its worker vanished: the timeout stands,
-                # unconfirmed, so no retry.
+                # unconfirmed (at-most-once: so no retry).
                 self._timed_out(run, confirmed=False)
+            elif run.policy.delivery == "at_least_once":
+                self._requeue(run, "not re-attached within the grace")
             else:
                 self._finalize(run, RunEvent.LOSE, why="outcome unknown: worker gone")
         elif kind == "stop":
-            # Its worker was asked to stop it and never confirmed: unconfirmed, no retry.
+            # Its worker was asked to stop it and never confirmed: unconfirmed (at-most-once:
+            # no retry).
             self._timed_out(run, confirmed=False)
         else:  # the node-side timeout
             self._node_timeout(run)
@@ -2371,12 +2380,16 @@ class ShardEngine:
     def _node_timeout(self, run: _Run) -> None:
         """The node-side timeout of ``run`` lapsed.
 
-        At-most-once with a live worker (its lease valid: ``run.worker`` is set): the worker
-        is asked to stop the task and the run stays in flight until the confirmed report
-        (``killed`` or ``timed_out``), which applies the timeout handler, retries included.
-        Only when no report comes, within the reattach grace or before the worker's lease and
-        then the grace lapse, is it TIMED_OUT without a retry (DESIGN.md: at-most-once retries
-        follow a confirmed final report only). Otherwise the timeout is decided now.
+        With a live worker (its lease valid: ``run.worker`` is set) and a handler that stops
+        the task (not "mark"): the worker is asked to stop the task and the run stays in
+        flight until the confirmed report (``killed`` or ``timed_out``), which applies the
+        timeout handler, retries included. Only when no report comes, within the reattach
+        grace or before the worker's lease and then the grace lapse, is it TIMED_OUT
+        unconfirmed: at-most-once without a retry (DESIGN.md: at-most-once retries follow a
+        confirmed final report only), at-least-once with its handler's retries. Waiting for
+        the confirmation at-least-once too keeps a retry from starting beside an attempt
+        whose worker is still stopping it (its kill grace, a container's removal). Otherwise
+        the timeout is decided now.
         """
         if run.worker is not None and _asks_stop(run.policy):
             run.stopping = True

@@ -150,8 +150,12 @@ def test_a_trigger_timeout_handler_counts_in_the_chain() -> None:
     node.create(id="ta", schedule={"at": FAR}, timeout="1s", on_timeout="trigger:tb")
     node.create(id="tb", schedule={"at": FAR}, timeout="1s", on_timeout="trigger:ta")
     node.do(TriggerJob(node.request(), "ta", "kick@1"))
+    confirmed = 0
     for _ in range(40):
         node.advance(600)
+        for kill in node.kills[confirmed:]:  # the worker confirms each stop it is asked
+            node.do(ReportFinished(kill.worker_id, kill.run_id, kill.token, "killed", None))
+        confirmed = len(node.kills)
         node.do(Pull("w1", 8))
         deliver_triggers(node)
         if node.skips():

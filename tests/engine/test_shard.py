@@ -332,6 +332,10 @@ def test_node_side_timeout_handlers(handler: str) -> None:
         assert node.final_states() == ["TIMED_OUT"]
         return
     assert node.kills[0].run_id == t1.run_id
+    # A live worker is asked to stop the task, whatever the delivery, and the handler applies
+    # on its confirmation (without one: test_an_unconfirmed_node_side_timeout_...).
+    assert node.final_states() == ["RUNNING"]
+    node.do(ReportFinished("w1", t1.run_id, t1.token, "killed", None))
     if handler == "kill":
         assert node.final_states() == ["TIMED_OUT"]
     elif handler == "retry:1":
@@ -343,6 +347,37 @@ def test_node_side_timeout_handlers(handler: str) -> None:
         assert (trigger.job_id, trigger.source_run_id) == ("other", t1.run_id)
         node.do(OutboxDelivered(trigger.seq))
         assert node.durable_records[-1]["t"] == "outdone"
+
+
+@pytest.mark.parametrize("worker_goes", ["lease lapses", "heartbeats without confirming"])
+def test_an_unconfirmed_node_side_timeout_retries_at_least_once_after_the_wait(
+    worker_goes: str,
+) -> None:
+    """At-least-once, the node-side timeout also waits for the stop's confirmation (a worker
+    still stopping the task, a long kill grace or a container being removed, would otherwise
+    have the retry run beside it); without one, after the reattach grace (or the lease and
+    the grace), it is TIMED_OUT unconfirmed and retried by its handler."""
+    node = Node(config=cfg(worker_lease_ms=3000, reattach_grace_ms=5000, timeout_grace_ms=1000))
+    worker(node)
+    once(node, "t", timeout="2s", on_timeout="retry:3")
+    node.advance(1000)
+    (t1,) = node.tickets()
+    held = ((t1.run_id, t1.token),)
+    for _ in range(4):  # past the node-side timeout (claim + 2 s + 1 s): asked to stop
+        node.advance(1000)
+        node.do(Heartbeat("w1", held))
+    assert [k.reason for k in node.kills] == ["timed out"]
+    assert node.final_states() == ["CLAIMED"]  # waiting for the stop's confirmation
+    node.advance(3000)
+    if worker_goes != "lease lapses":
+        node.do(Heartbeat("w1", held))
+    assert len(node.tickets()) == 1  # still waiting, for the grace
+    for _ in range(12):
+        node.advance(1000)
+        if worker_goes != "lease lapses":
+            node.do(Heartbeat("w1", held))
+    assert node.final_states() == ["PENDING"]
+    assert node.durable_records[-1]["why"] == "timed out; retry 1"
 
 
 @pytest.mark.parametrize("worker_goes", ["lease lapses", "heartbeats without confirming"])

@@ -290,15 +290,25 @@ def test_a_timeout_kill_waits_for_the_decision_to_be_durable() -> None:
     (t,) = node.tickets()
     node.do(ReportStarted("w1", t.run_id, t.token))
     node.flush()
-    node.advance(3001)  # the node-side timeout: retry decided, not durable
-    assert node.kills == [] and node.unacked
-    node.crash_and_recover()  # the decision is lost, and so is the kill: the task runs on
+    node.advance(3001)  # the node-side timeout: the worker is asked to stop (nothing decided)
+    assert [k.reason for k in node.kills] == ["timed out"]
+    node.flush()
+    # No confirmation within the reattach grace: the timeout is decided (a retry), and its
+    # kill waits for that decision to be durable.
+    for _ in range(4):  # (the worker heartbeats: its lease holds through the grace)
+        node.do(Heartbeat("w1", ((t.run_id, t.token),)))
+        node.flush()
+        node.advance(node.engine.config.reattach_grace_ms // 4)
+    node.advance(1)
+    assert len(node.kills) == 1 and node.unacked
+    assert node.engine.run_state(t.run_id) is RunState.PENDING  # retry decided, in memory
+    node.crash_and_recover()  # the decision is lost, and so is its kill: the task runs on
     node.auto_durable = True
     node.flush()
     node.do(WorkerHello("w1", ("default",), 1, ((t.run_id, t.token),)))
     assert node.engine.run_state(t.run_id) is RunState.RUNNING
-    node.advance(3001)  # its timeout again, this time durable before the kill leaves
-    assert [k.reason for k in node.kills] == ["timed out"]
+    # Past its timeout already at the re-attach: asked to stop at once, nothing decided.
+    assert [k.reason for k in node.kills] == ["timed out", "timed out"]
 
 
 @pytest.mark.parametrize("how", ["cancel", "cancel_previous"])
@@ -540,8 +550,9 @@ def test_the_node_side_timeout_survives_restarts_and_reattaches(via_snapshot: bo
         node.do(WorkerHello("w1", ("default",), 0, held))
     assert node.wall - start > 6000  # past start + timeout + grace
     node.advance(1)
+    assert node.kills[0].reason == "timed out"  # asked to stop (then "superseded"...)
+    node.do(ReportFinished("w1", t.run_id, t.token, "killed", None))  # confirmed
     assert node.engine.run_state(t.run_id) is None  # timed out
-    assert node.kills[0].reason == "timed out"  # (then "superseded", for later hellos)
 
 
 def started_with_timeout(node: Node, job_id: str) -> tuple[str, int]:
