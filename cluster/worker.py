@@ -453,11 +453,13 @@ class WorkerAgent:
         if self.running:
             # Nothing in this process can end a payload handler that ignores its cancellation
             # (a blocking call in a thread, a shielded scope, a caught Cancelled in a loop):
-            # run() ends when it returns. Said, so that whoever waits knows what for.
+            # run() ends when it returns. A container whose removal keeps failing is left to
+            # the guard when run() ends. Said, so that whoever waits knows what for.
             stuck = [rid for rid, h in self.held.items() if h.outcome is None]
             log.error(
                 "still running after the stop: %s (a payload handler that ignores its "
-                "cancellation; run() ends when it returns)",
+                "cancellation: run() ends when it returns; or a container not removed yet: "
+                "left to the watchdog)",
                 " ".join(stuck) or f"{self.running} tasks",
             )
         with trio.move_on_after(ack_timeout_s):
