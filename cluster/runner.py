@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import logging
 import os
 import re
 import select
@@ -117,6 +118,7 @@ _CONTAINER_RM_S: Final = 10.0
 _CONTAINER_RM_RETRY_S: tuple[float, ...] = (1.0, 2.0, 5.0, 10.0, 30.0)
 # Upper bound on reaping the leader after a SIGKILL when the call is being cancelled.
 _REAP_S: Final = 2.0
+log = logging.getLogger("tickwheel.worker")
 _EPOCH: Final = datetime(1970, 1, 1, tzinfo=UTC)
 _NAME_BAD_RE: Final = re.compile(r"[^a-zA-Z0-9_.-]+")
 
@@ -1012,6 +1014,10 @@ async def _supervise(
                 f"{'them' if len(held_open) > 1 else 'it'} open"
             )
         if stop is not None:
+            # The removal first: the notice waits for the node (it may be down, as when this
+            # worker fences itself), and the container must not run on meanwhile.
+            if plan.container is not None:
+                await _remove_container_until_gone(plan, out)
             await out.notice(
                 stop_notice(
                     stop,
@@ -1021,13 +1027,12 @@ async def _supervise(
                     at_once=handle.at_once,
                 )
             )
-            if plan.container is not None:
-                await _remove_container_until_gone(plan, out)
     except BaseException:
         # Cancelled from outside, or on_output raised: nothing we started may outlive us, and
         # there is no time for a grace.
         with trio.CancelScope(shield=True):
-            _signal_group(pgid, signal.SIGKILL)
+            if proc.returncode is None:  # (reaped: its group was empty; the id may be reused)
+                _signal_group(pgid, signal.SIGKILL)
             with trio.move_on_after(_REAP_S):
                 await proc.wait()
             if plan.container is not None and await _remove_container(plan) is not None:
@@ -1106,79 +1111,106 @@ async def _stop_group(
 
 async def _remove_container(plan: Launch) -> str | None:
     """``<runtime> rm -f NAME``, bounded: the container of a stopped task may still run after
-    its runtime client was SIGKILLed. None once the container is gone: the removal succeeded,
-    or it failed and ``<runtime> container inspect NAME`` says there is no such container (a
-    ``--rm`` container that ended by itself); else what went wrong, for the task's log."""
+    its runtime client was SIGKILLed. None once the container cannot run any more: the
+    removal succeeded, or it failed and ``<runtime> container inspect NAME`` says there is no
+    such container (a ``--rm`` container that ended by itself) or that it is not running (one
+    the daemon cannot remove, "Dead", say: it holds nothing); else what went wrong."""
     assert plan.runtime is not None and plan.container is not None
-    problem = await _bounded_runtime_call(plan, ["rm", "-f", plan.container])
+    problem, _ = await _bounded_runtime_call(plan, ["rm", "-f", plan.container])
     if problem is None:
         return None
-    inspected = await _bounded_runtime_call(plan, ["container", "inspect", plan.container])
-    if inspected is not None and "no such" in inspected.lower():
+    failed, running = await _bounded_runtime_call(
+        plan, ["container", "inspect", "--format", "{{.State.Running}}", plan.container]
+    )
+    if failed is None and running.strip() == "false":
+        return None
+    if failed is not None and "no such" in failed.lower():
         return None
     return problem
 
 
-async def _bounded_runtime_call(plan: Launch, args: list[str]) -> str | None:
-    """Run ``<runtime> ARGS`` for at most :data:`_CONTAINER_RM_S`: None if it exited 0, else
-    why not (its exit status and the end of its stderr, a timeout, or a failure to start)."""
+async def _bounded_runtime_call(plan: Launch, args: list[str]) -> tuple[str | None, str]:
+    """Run ``<runtime> ARGS`` for at most :data:`_CONTAINER_RM_S`: (None if it exited 0, else
+    why not: its exit status and the end of its stderr, a timeout, or a failure to start;
+    the start of its stdout)."""
     assert plan.runtime is not None
     what = f"{plan.runtime} {' '.join(args)}"
     try:
         proc = await trio.lowlevel.open_process(
             [plan.runtime, *args],
             stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             env=dict(plan.env),
             start_new_session=True,
         )
     except OSError as exc:
-        return f"{what}: {exc}"
-    assert proc.stderr is not None
-    err = bytearray()
+        return f"{what}: {exc}", ""
+    assert proc.stdout is not None and proc.stderr is not None
+    out, err = bytearray(), bytearray()
+
+    async def read(stream: trio.abc.ReceiveStream, into: bytearray, tail: bool) -> None:
+        while chunk := await stream.receive_some(4096):
+            into += chunk
+            if len(into) > 4096:  # (the tail of stderr, the head of stdout is enough)
+                if tail:
+                    del into[: len(into) - 4096]
+                else:
+                    del into[4096:]
+
     try:
         with trio.move_on_after(_CONTAINER_RM_S):
-            while chunk := await proc.stderr.receive_some(4096):
-                del err[: max(0, len(err) + len(chunk) - 4096)]  # (the tail is enough)
-                err += chunk
+            async with trio.open_nursery() as readers:
+                readers.start_soon(read, proc.stdout, out, False)
+                readers.start_soon(read, proc.stderr, err, True)
             await proc.wait()
         if proc.returncode is None:
             proc.kill()
             with trio.move_on_after(_REAP_S):
                 await proc.wait()
-            return f"{what}: no answer within {_CONTAINER_RM_S:g} s"
+            return f"{what}: no answer within {_CONTAINER_RM_S:g} s", ""
     finally:
         with trio.CancelScope(shield=True):
+            await proc.stdout.aclose()
             await proc.stderr.aclose()
+    said = out.decode(errors="replace")
     if proc.returncode == 0:
-        return None
-    said = err.decode(errors="replace").strip().splitlines()
-    return f"{what}: exit {proc.returncode}" + (f": {said[-1]}" if said else "")
+        return None, said
+    lines = err.decode(errors="replace").strip().splitlines()
+    return f"{what}: exit {proc.returncode}" + (f": {lines[-1]}" if lines else ""), said
 
 
 async def _remove_container_until_gone(plan: Launch, out: _Output) -> None:
     """:func:`_remove_container` until the container is gone, waiting
     :data:`_CONTAINER_RM_RETRY_S` between attempts. The run is held meanwhile, and not
     reported: a ``timed_out`` or ``killed`` report tells the node the task is over (an
-    at-most-once retry may then start), which is not true while its container may run. Each
-    attempt is shielded; the waits are not, so a worker that is ending is not held up (its
-    guard removes the container after it, see :mod:`cluster.watchdog`)."""
+    at-most-once retry may then start), which is not true while its container may run.
+
+    Nothing here waits for the node: the task's log hears of failed attempts only once the
+    container is gone (``out`` waits for a node that is down, and the removal matters most
+    then: a fence), and the worker's log at once. Each attempt is shielded; the waits are
+    not, so a worker that is ending is not held up (its guard removes the container after
+    it, see :mod:`cluster.watchdog`)."""
     assert plan.container is not None
-    failures = 0
+    failures: list[str] = []
     while True:
         with trio.CancelScope(shield=True):
             problem = await _remove_container(plan)
         if problem is None:
             if failures:
-                await out.notice(f"removed container {plan.container} after {failures + 1} tries")
+                await out.notice(
+                    f"removed container {plan.container} after {len(failures) + 1} tries; "
+                    f"the first failed: {failures[0]}"
+                )
             return
-        wait = _CONTAINER_RM_RETRY_S[min(failures, len(_CONTAINER_RM_RETRY_S) - 1)]
-        if not failures:
-            await out.notice(
-                f"cannot remove container {plan.container} ({problem}): it may still run, so "
-                f"the run is not reported until it is removed; trying again every {wait:g} s "
-                "or more"
-            )
-        failures += 1
+        wait = _CONTAINER_RM_RETRY_S[min(len(failures), len(_CONTAINER_RM_RETRY_S) - 1)]
+        log.warning(
+            "cannot remove container %s (%s): it may still run, so its run is not reported "
+            "until it is removed; trying again in %g s",
+            plan.container,
+            problem,
+            wait,
+        )
+        failures.append(problem)
+        del failures[1:-1]  # (the first and the newest are enough)
         await trio.sleep(wait)

@@ -248,6 +248,8 @@ class Watch:
     tasks: dict[int, _Task] = field(default_factory=dict)
     #: the newest fence deadline (``F``); None before the first and after it was acted on
     fence_at: int | None = None
+    #: containers a fence failed to remove (:meth:`keep_containers`), for end-of-file
+    leftover: list[tuple[str, str, str]] = field(default_factory=list)
 
     def apply(self, message: Message, *, start: int | None = None) -> None:
         """Take one message; ``start`` is the leader's start time read for a ``S``."""
@@ -276,6 +278,7 @@ class Watch:
                 groups[task.pgid] = task.start
             if task.container is not None:
                 containers.append(task.container)
+        containers.extend(c for c in self.leftover if c not in containers)
         return Doom(groups, tuple(markers), tuple(containers))
 
     def wait_ms(self, now_ms: int) -> int | None:
@@ -286,11 +289,17 @@ class Watch:
         return max(0, self.fence_at - now_ms)
 
     def fence_now(self) -> Doom:
-        """The deadline passed: what to kill (every task), which is forgotten with it."""
+        """The deadline passed: what to kill (every task), which is forgotten with it (but
+        see :meth:`keep_containers`)."""
         doom = self.doom()
         self.tasks.clear()
         self.fence_at = None
         return doom
+
+    def keep_containers(self, containers: Iterable[tuple[str, str, str]]) -> None:
+        """Containers a fence could not remove: removed again at end-of-file (their tasks'
+        groups are dead; the worker, whose runs they were, no longer asks)."""
+        self.leftover.extend(containers)
 
     def lines(self) -> list[bytes]:
         """The messages that rebuild this state in a fresh guard (the deadline first, then
@@ -393,7 +402,8 @@ def _processes() -> list[tuple[int, int, bytes]]:
     return out
 
 
-def _kill(doom: Doom, why: str) -> None:
+def _kill(doom: Doom, why: str) -> list[tuple[str, str, str]]:
+    """Carry ``doom`` out; the containers whose removal did not succeed."""
     killed = []
     for pgid, start in doom.groups.items():
         if not may_kill(start, _start_time(pgid)):
@@ -422,36 +432,43 @@ def _kill(doom: Doom, why: str) -> None:
                         send(target, signal.SIGKILL)
                     except (ProcessLookupError, PermissionError):
                         pass
-    rms = []
-    for runtime, name, env in doom.containers:
+    rms: list[tuple[subprocess.Popen[bytes], tuple[str, str, str]]] = []
+    failed: list[tuple[str, str, str]] = []
+    for container in doom.containers:
+        runtime, name, env = container
         # The task's runtime settings (DOCKER_HOST...) on top of ours, as the runner's own
         # removal runs with the task's environment: else another daemon would be asked.
         extra = dict(entry.split("=", 1) for entry in env.split("\0") if "=" in entry)
         try:
-            rms.append(
-                subprocess.Popen(
-                    [runtime, "rm", "-f", name],
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                    env={**os.environ, **extra},
-                )
+            rm = subprocess.Popen(
+                [runtime, "rm", "-f", name],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                env={**os.environ, **extra},
             )
         except OSError as exc:
             _log(f"cannot remove container {name}: {exc}")
+            failed.append(container)
+            continue
+        rms.append((rm, container))
     deadline = time.monotonic() + CONTAINER_RM_S
-    for rm in rms:
+    for rm, container in rms:
         try:
-            rm.wait(max(0.0, deadline - time.monotonic()))
+            if rm.wait(max(0.0, deadline - time.monotonic())) != 0:
+                failed.append(container)
         except subprocess.TimeoutExpired:
             rm.kill()
             rm.wait()
+            failed.append(container)
     _log(
         f"{why}: SIGKILLed task process groups "
         f"{' '.join(map(str, killed)) or '(none)'}"
         + (f", unregistered tasks {' '.join(map(str, sorted(hunted)))}" if hunted else "")
-        + (f", removed {len(rms)} containers" if rms else "")
+        + (f", removed {len(doom.containers) - len(failed)} containers" if doom.containers else "")
+        + (f", could not remove {' '.join(c[1] for c in failed)}" if failed else "")
     )
+    return failed
 
 
 def main() -> int:
@@ -469,7 +486,9 @@ def main() -> int:
         if wait is not None and not select.select([0], [], [], wait / 1000)[0]:
             # Nothing from the worker by its fence deadline (a newer ``F`` would have come
             # with its acknowledged heartbeat): it cannot fence itself, so the guard does.
-            _kill(watch.fence_now(), f"the worker (pid {worker}) passed its fence deadline")
+            doom = watch.fence_now()
+            why = f"the worker (pid {worker}) passed its fence deadline"
+            watch.keep_containers(_kill(doom, why))
             continue
         try:
             data = os.read(0, 65536)

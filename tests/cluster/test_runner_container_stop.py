@@ -4,7 +4,8 @@ A fake runtime (a real process the runner drives, as in test_runner.py): ``run``
 "container" outside the client's process group (a daemon runs it, not the client) and both
 ignore SIGTERM, so the stop sequence SIGKILLs the client and the container runs on until
 ``rm -f`` removes it. ``rm`` fails its first ``FAKE_RM_FAILS`` calls (a busy or restarting
-daemon); ``container inspect`` fails with "No such container" once the container is dead.
+daemon); ``container inspect`` says "true" (running) while the container runs and fails with
+"No such container" once it is dead.
 
 Found by review: a removal that failed (or took longer than its bound) was ignored and the run
 reported ``timed_out``, which the node takes as a confirmed stop, so an at-most-once
@@ -51,10 +52,11 @@ rm)
   kill -9 "$(cat "$state/$name.pid")" 2>/dev/null
   ;;
 container)
-  name=$3
-  if kill -0 "$(cat "$state/$name.pid")" 2>/dev/null; then
+  for name; do :; done
+  if [ "${FAKE_INSPECT:-}" = fails ]; then
     echo "Cannot connect to the daemon" >&2; exit 1
   fi
+  if kill -0 "$(cat "$state/$name.pid")" 2>/dev/null; then echo true; exit 0; fi
   echo "Error: No such container: $name" >&2; exit 1
   ;;
 esac
@@ -151,9 +153,10 @@ def test_a_failed_removal_is_tried_again_and_the_stop_reported_once_it_worked(
     assert wait_dead(container_pid(state, t)), "reported while the container still ran"
     assert (state / f"{container_name(t)}.rm").read_text().strip() == "3"
     text = err.decode()
-    assert f"cannot remove container {container_name(t)}" in text
+    assert f"removed container {container_name(t)} after 3 tries; the first failed: " in text
     assert "Cannot connect to the daemon" in text
-    assert f"removed container {container_name(t)} after 3 tries" in text
+    # The removal came before the stop's notice (which waits for the node: see below).
+    assert text.index("removed container") < text.index("tickwheel: stopped (timed out")
     assert guard.done_while_alive == [False], "the guard forgot the container before it went"
 
 
@@ -225,3 +228,106 @@ def test_a_container_already_gone_counts_as_removed(
     assert getattr(result, "outcome", None) == "timed_out"
     assert time.monotonic() - start < 5
     assert (state / f"{container_name(t)}.rm").read_text().strip() == "1"
+
+
+def test_the_container_is_removed_before_anything_waits_for_the_node(
+    fake: tuple[Path, Path, dict[str, str]],
+) -> None:
+    """The task's log waits for the node (down, as when a worker fences itself): the stop
+    notice blocked the removal behind it, and the container ran on (found by review)."""
+    runtime, state, env = fake
+    t = ticket()
+    gone: list[bool] = []
+
+    async def out(stream: str, data: bytes) -> None:
+        if b"stopped (timed out" in data or b"cannot remove" in data:
+            gone.append(not alive(container_pid(state, t)))
+            await trio.sleep_forever()  # the node is down
+
+    async def main() -> None:
+        with trio.move_on_after(3):
+            await run_task(
+                t,
+                on_output=out,
+                kill_grace_s=0.3,
+                container_runtime=str(runtime),
+                base_env={**env, "FAKE_RM_FAILS": "1"},
+            )
+
+    trio.run(main)
+    assert gone == [True]
+
+
+def test_a_container_that_does_not_run_any_more_counts_as_removed(
+    fake: tuple[Path, Path, dict[str, str]],
+) -> None:
+    """One the daemon cannot remove ("Dead", "removal in progress") but that no longer runs
+    holds nothing: not a reason to hold the run for ever."""
+    runtime, state, env = fake
+    t = ticket()
+    runtime.write_text(
+        runtime.read_text().replace(
+            'if kill -0 "$(cat "$state/$name.pid")" 2>/dev/null; then echo true; exit 0; fi',
+            'kill -9 "$(cat "$state/$name.pid")"; echo false; exit 0',
+        )
+    )
+
+    async def out(stream: str, data: bytes) -> None:
+        pass
+
+    result = trio.run(
+        lambda: run_task(
+            t,
+            on_output=out,
+            kill_grace_s=0.3,
+            container_runtime=str(runtime),
+            base_env={**env, "FAKE_RM_FAILS": "1000"},
+        )
+    )
+    assert result.outcome == "timed_out"
+    assert (state / f"{container_name(t)}.rm").read_text().strip() == "1"
+
+
+def test_a_run_cancelled_while_its_container_is_removed_signals_no_reaped_group(
+    fake: tuple[Path, Path, dict[str, str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The leader was reaped before the removal began, so its pid (the group's id) may have
+    been given out again, most likely to another task of this worker: the cancel path must
+    not SIGKILL it (found by review)."""
+    runtime, state, env = fake
+    t = ticket()
+    removing = [False]
+    late_signals: list[tuple[int, int]] = []
+    signal_group, remove = runner._signal_group, runner._remove_container
+
+    def spy_signal(pgid: int, sig: int) -> None:
+        if removing[0]:
+            late_signals.append((pgid, sig))
+        signal_group(pgid, sig)
+
+    async def spy_remove(plan: runner.Launch) -> str | None:
+        removing[0] = True
+        return await remove(plan)
+
+    monkeypatch.setattr(runner, "_signal_group", spy_signal)
+    monkeypatch.setattr(runner, "_remove_container", spy_remove)
+
+    async def out(stream: str, data: bytes) -> None:
+        pass
+
+    async def main() -> None:
+        with trio.move_on_after(3.0):
+            await run_task(
+                t,
+                on_output=out,
+                kill_grace_s=0.3,
+                container_runtime=str(runtime),
+                base_env={**env, "FAKE_RM_FAILS": "1000"},
+            )
+
+    trio.run(main)
+    try:
+        assert removing[0]
+        assert late_signals == [], f"signalled a reaped leader's group id: {late_signals}"
+    finally:
+        os.kill(container_pid(state, t), signal.SIGKILL)

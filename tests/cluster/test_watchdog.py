@@ -275,6 +275,37 @@ def test_guard_kills_registered_groups_at_the_fence_deadline_and_carries_on(guar
             p.wait()
 
 
+def test_a_container_a_fence_could_not_remove_is_removed_again_at_eof(tmp_path: Path) -> None:
+    """The fence's ``rm -f`` failed (the daemon down): forgotten with its task, the container
+    ran on for good (found by review). It is tried again at end-of-file."""
+    runtime = tmp_path / "fakedocker"
+    log = tmp_path / "rm.log"
+    runtime.write_text(f'#!/bin/sh\necho "$@" >> {log}\nexit 1\n')
+    runtime.chmod(0o755)
+    leader = _sleeper()
+    read_end, write_end = os.pipe()
+    proc = subprocess.Popen(list(GUARD_ARGV), stdin=read_end, stderr=subprocess.PIPE)
+    os.close(read_end)
+    pipe = os.fdopen(write_end, "wb", buffering=0)
+    try:
+        pipe.write(format_announce(1, MARKER, (str(runtime), "tw-box", "")))
+        pipe.write(format_spawned(1, leader.pid))
+        pipe.write(format_fence(time.monotonic_ns() // 1_000_000 + 200))
+        assert leader.wait(10) == -signal.SIGKILL  # fenced; its rm -f fails
+        wait_until(lambda: log.exists() and log.read_text().count("rm -f tw-box") == 1)
+        pipe.close()  # the worker goes: the container may still run
+        assert proc.wait(20) == 0
+        assert log.read_text().count("rm -f tw-box") == 2
+        assert "could not remove tw-box" in proc.stderr.read().decode()
+    finally:
+        if not pipe.closed:
+            pipe.close()
+        leader.kill()
+        leader.wait()
+        proc.kill()
+        proc.wait()
+
+
 def test_a_deadline_renewed_in_time_kills_nothing(guard: Any) -> None:
     proc, pipe = guard
     task = _sleeper()
