@@ -387,7 +387,14 @@ def run_client_command(args: argparse.Namespace) -> int:
     try:
         return trio.run(_with_client, args, lambda c: handler(c, args))
     except KeyboardInterrupt:
-        return 130  # ^C: the usual way to stop ``logs --follow``; no traceback
+        return _interrupted(args)  # ^C: the usual way to stop ``logs --follow``
+    except BaseExceptionGroup as group:
+        # ^C inside a nursery (submit --file's batches, the client's tasks) comes wrapped in
+        # a group: the same ^C, not a crash with a traceback (found by review).
+        interrupt = (KeyboardInterrupt, trio.Cancelled, BaseExceptionGroup)
+        if group.subgroup(lambda e: not isinstance(e, interrupt)) is not None:
+            raise
+        return _interrupted(args)
     except RemoteError as exc:
         if args.json:
             print(
@@ -399,7 +406,10 @@ def run_client_command(args: argparse.Namespace) -> int:
             err_console.print(f"[red]error[/red] {escape(exc.code)}: {escape(exc.message)}")
         return 1
     except UsageError as exc:
-        err_console.print(f"[red]error[/red] {escape(str(exc))}")
+        if args.json:  # (a script reading stdout gets an object, as for every other error)
+            print(json.dumps({"error": {"code": "usage", "message": str(exc), "field": None}}))
+        else:
+            err_console.print(f"[red]error[/red] {escape(str(exc))}")
         return 2
     except ClientError as exc:
         # The client's own errors (timeout, connection_lost, not_sendable) as the node's are:
@@ -409,6 +419,18 @@ def run_client_command(args: argparse.Namespace) -> int:
         else:
             err_console.print(f"[red]error[/red] {escape(exc.code)}: {escape(str(exc))}")
         return 1
+
+
+def _interrupted(args: argparse.Namespace) -> int:
+    """Exit status 130 for a ^C, without a traceback; ``submit --file`` says what it leaves."""
+    if args.command == "submit" and getattr(args, "file", None) is not None:
+        err_console.print(
+            "interrupted: jobs of the lines already sent may exist (`tickwheel jobs` lists "
+            "them); the file can be submitted again: a line with an `id` whose job holds its "
+            "spec counts as created, a line without one makes a new job",
+            highlight=False,
+        )
+    return 130
 
 
 async def cmd_submit(client: Client, args: argparse.Namespace) -> int:
@@ -422,7 +444,7 @@ async def cmd_submit(client: Client, args: argparse.Namespace) -> int:
                 "(put them in the file's lines)"
             )
         return await _submit_file(client, args)
-    from cluster.client import RequestTimeout
+    from cluster.client import RequestTimeout, created_as_sent, replaces
     from engine.jobs import new_job_id
 
     spec = spec_from_args(args, update=False)
@@ -437,6 +459,23 @@ async def cmd_submit(client: Client, args: argparse.Namespace) -> int:
             f"{exc} (job {spec['id']} may have been created: `tickwheel job get {spec['id']}` "
             "tells; submit again with --id to retry without a second job)"
         ) from None
+    except RemoteError as exc:
+        # The retry the line above recommends: the job exists and holds this very spec, so
+        # the command's work is done (answered `exists`, a retry loop in a script never
+        # ended: found by review). Any other job of that id stays an error.
+        existing = None
+        if exc.code == "exists" and args.id is not None and not replaces(spec):
+            try:
+                existing = await created_as_sent(client, spec)
+            except ClientError:
+                existing = None
+        if existing is None:
+            raise
+        err_console.print(
+            escape(f"job {spec['id']} exists already, with this spec: nothing changed"),
+            highlight=False,
+        )
+        job = existing
     emit(
         args,
         job,
@@ -521,14 +560,17 @@ SUBMIT_PROGRESS_FROM = 5000
 class SubmitLine:
     """What became of one spec of a ``submit --file``: ``job_id`` (always known: an id the
     file did not give is made before anything is sent), and ``error`` (None: created) with
-    ``unconfirmed`` true when its batch never got a reply (the job may or may not exist)."""
+    ``unconfirmed`` true when its batch never got a reply (the job may or may not exist);
+    ``existed`` when it was answered ``exists`` by a job that holds the line's very spec."""
 
-    __slots__ = ("error", "generated", "job_id", "number", "spec", "unconfirmed")
+    __slots__ = ("error", "existed", "generated", "job_id", "number", "spec", "unconfirmed")
 
     def __init__(self, number: int, spec: dict[str, Any], job_id: str, generated: bool) -> None:
         self.number, self.spec, self.job_id, self.generated = number, spec, job_id, generated
         self.error: str | None = None
         self.unconfirmed = False
+        #: the job existed already, holding this very spec (not an error: nothing changed)
+        self.existed = False
 
 
 async def submit_lines(
@@ -597,6 +639,17 @@ async def submit_lines(
         except ClientError:
             return None
 
+    async def holds_spec(line: SubmitLine) -> bool:
+        """Whether ``line``'s job, answered ``exists``, holds the line's very spec (a file
+        submitted again, after a ^C or a failure: found by review): the line's work is done.
+        Only for an id the file gave, on its first line; any doubt is an error."""
+        if line.generated or first_line_of.get(line.job_id) != line.number:
+            return False
+        try:
+            return await created_as_sent(client, line.spec) is not None
+        except ClientError:
+            return False
+
     answered_at = trio.current_time()  # the last answer to any batch
 
     def split(part: list[SubmitLine], why: str) -> list[list[SubmitLine]] | None:
@@ -663,7 +716,11 @@ async def submit_lines(
         maybe_sent = False
         failure = ""
         for _try in range(tries):
-            if trio.current_time() - answered_at > stall_s:
+            # A try waits no longer than what is left of the stall window: each waiting its
+            # whole timeout, a batch whose try began just inside the window tried again once
+            # it ended, and the command took two windows to give up (found by review).
+            left = stall_s - (trio.current_time() - answered_at)
+            if left <= 0:
                 failure = failure or f"no answer to any batch for {stall_s:g} s"
                 break
             sent_on: list[int] = []
@@ -671,7 +728,7 @@ async def submit_lines(
                 reply = await client.request(
                     "job.create_many",
                     {"specs": specs},
-                    timeout_s=timeout_s,
+                    timeout_s=min(timeout_s, left),
                     sent_on=sent_on,
                     retry=not replacing,
                 )
@@ -716,6 +773,9 @@ async def submit_lines(
                         line.error = "exists, and whether this command created it is unknown"
                         line.unconfirmed = True
                         continue
+                if error.get("code") == "exists" and await holds_spec(line):
+                    line.existed = True  # the file submitted again: that line's work is done
+                    continue
                 line.error = f"{error.get('code')}: {error.get('message')}"
             return
         for line in part:
@@ -780,7 +840,10 @@ async def _submit_file(client: Client, args: argparse.Namespace) -> int:
             message = f"{args.file}:{line.number}: {line.error}"
         err_console.print(escape(message), highlight=False)
     ids = [line.job_id if line.error is None else None for line in lines]
-    summary = f"{len(lines) - failed} jobs created, {failed - unconfirmed} not created"
+    existed = sum(1 for line in lines if line.existed)
+    summary = f"{len(lines) - failed - existed} jobs created, {failed - unconfirmed} not created"
+    if existed:
+        summary += f", {existed} there already with the same spec"
     if unconfirmed:
         summary += f", {unconfirmed} unconfirmed"
     emit(args, ids, lambda _v: console.print(summary))

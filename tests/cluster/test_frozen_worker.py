@@ -63,7 +63,7 @@ def test_a_frozen_workers_tasks_are_killed_by_its_guard_and_it_carries_on(tmp_pa
         wait_until(lambda: pidfile.exists() and pidfile.read_text().strip(), timeout=20)
         task_pids.append(int(pidfile.read_text()))
         runs = with_client(node.port, history)
-        assert [(r["state"], r["attempt"]) for r in runs][0] in (("RUNNING", 2), ("CLAIMED", 2))
+        assert (runs[0]["state"], runs[0]["attempt"]) in (("RUNNING", 2), ("CLAIMED", 2))
         assert worker.proc.poll() is None
         assert "passed its fence deadline" in (tmp_path / "worker.log").read_text()
     finally:
