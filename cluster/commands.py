@@ -954,18 +954,44 @@ async def cmd_jobs(client: Client, args: argparse.Namespace) -> int:
     return 0
 
 
+async def _per_job(
+    job_ids: list[str], read: Callable[[str], Awaitable[list[dict[str, Any]]]]
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """``read(job_id)`` for each job, in order: the rows of those that could be read, and the
+    jobs that are not there (``not_found``; their rows were dropped with the others' before,
+    found by review). Any other error ends the command as usual."""
+    rows: list[dict[str, Any]] = []
+    missing: list[str] = []
+    for job_id in job_ids:
+        try:
+            rows.extend(await read(job_id))
+        except RemoteError as exc:
+            if exc.code != "not_found" or len(job_ids) == 1:
+                raise
+            missing.append(job_id)
+    return rows, missing
+
+
+def _say_missing(missing: list[str]) -> int:
+    for job_id in missing:
+        err_console.print(escape(f"error not_found: no job {job_id}"), highlight=False)
+    return 1 if missing else 0
+
+
 async def cmd_runs(client: Client, args: argparse.Namespace) -> int:
-    runs: list[dict[str, Any]] = []
-    for job_id in args.job_ids:
-        runs.extend(await client.history(job_id, last=args.last))
+    async def read(job_id: str) -> list[dict[str, Any]]:
+        return list(await client.history(job_id, last=args.last))
+
+    runs, missing = await _per_job(args.job_ids, read)
     emit(args, runs, render_runs)
-    return 0
+    return _say_missing(missing)
 
 
 async def cmd_skips(client: Client, args: argparse.Namespace) -> int:
-    skips: list[dict[str, Any]] = []
-    for job_id in args.job_ids:
-        skips.extend({"job_id": job_id, **s} for s in await client.skips(job_id, last=args.last))
+    async def read(job_id: str) -> list[dict[str, Any]]:
+        return [{"job_id": job_id, **s} for s in await client.skips(job_id, last=args.last)]
+
+    skips, missing = await _per_job(args.job_ids, read)
     emit(
         args,
         skips,
@@ -978,7 +1004,7 @@ async def cmd_skips(client: Client, args: argparse.Namespace) -> int:
             ],
         ),
     )
-    return 0
+    return _say_missing(missing)
 
 
 async def cmd_run(client: Client, args: argparse.Namespace) -> int:

@@ -175,3 +175,25 @@ def test_a_file_submitted_again_counts_the_jobs_already_there(tmp_path: Path) ->
         assert "0 jobs created, 1 not created, 4 there already with the same spec" in plain.stdout
     finally:
         node.kill()
+
+
+def test_runs_of_a_known_and_an_unknown_job_shows_the_known_ones(tmp_path: Path) -> None:
+    """`runs A NOPE`: A's history was fetched and dropped, only the not_found printed."""
+    node = NodeProc(tmp_path / "data", tmp_path / "node.log")
+    try:
+        assert (
+            cli(node.port, "submit", "--id", "a", "--in", "1s", "--shell", "true").returncode == 0
+        )
+        deadline = time.monotonic() + 20
+        while True:
+            done = cli(node.port, "runs", "a", "nope", "--json")
+            if json.loads(done.stdout) or time.monotonic() > deadline:
+                break
+            time.sleep(0.3)
+        assert done.returncode == 1
+        assert [r["job_id"] for r in json.loads(done.stdout)] == ["a"]
+        assert "not_found: no job nope" in done.stderr
+        alone = cli(node.port, "runs", "nope", "--json")  # one job: its error, as before
+        assert alone.returncode == 1 and json.loads(alone.stdout)["error"]["code"] == "not_found"
+    finally:
+        node.kill()
