@@ -1066,8 +1066,10 @@ async def follow_resuming(
                 return
             except ConnectionLost as exc:
                 where = f"{client.host}:{client.port}"
+                # (not the library's "(reconnect is off)": this command connects again itself)
+                lost = str(exc).removesuffix(" (reconnect is off)")
                 err_console.print(
-                    f"note: {escape(str(exc))}; connecting again to {escape(where)} "
+                    f"note: {escape(lost)}; connecting again to {escape(where)} "
                     f"(for up to {reconnect_s:g} s) to follow on"
                 )
                 try:
