@@ -486,31 +486,32 @@ async def cmd_submit(client: Client, args: argparse.Namespace) -> int:
 
 def read_spec_file(path: str) -> list[tuple[int, dict[str, Any]]]:
     """The job specs of a JSON-lines file, each with its line number (blank lines count as
-    lines, and are skipped). Raises :class:`ClientError` naming the file, and the line where
-    there is one, for a file that cannot be read (missing, a directory, no permission), a line
-    that is not UTF-8, not JSON, or not a JSON object."""
+    lines, and are skipped). Raises :class:`UsageError` (status 2, as for a file argparse
+    cannot open) naming the file, and the line where there is one, for a file that cannot be
+    read (missing, a directory, no permission), a line that is not UTF-8, not JSON, or not a
+    JSON object."""
     try:
         with open(path, "rb") as f:
             raw_lines = f.read().splitlines()
     except OSError as exc:
-        raise ClientError(f"{path}: cannot read: {exc.strerror or exc}") from None
+        raise UsageError(f"{path}: cannot read: {exc.strerror or exc}") from None
     specs: list[tuple[int, dict[str, Any]]] = []
     for number, raw in enumerate(raw_lines, 1):
         try:
             line = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
-            raise ClientError(f"{path}:{number}: not UTF-8 (byte {exc.start + 1})") from None
+            raise UsageError(f"{path}:{number}: not UTF-8 (byte {exc.start + 1})") from None
         if not line.strip():
             continue
         try:
             spec = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise ClientError(f"{path}:{number}: not JSON: {exc}") from None
+            raise UsageError(f"{path}:{number}: not JSON: {exc}") from None
         except RecursionError:
-            raise ClientError(f"{path}:{number}: not usable JSON: {_TOO_DEEP}") from None
+            raise UsageError(f"{path}:{number}: not usable JSON: {_TOO_DEEP}") from None
         if not isinstance(spec, dict):
             kind = {list: "a list", str: "a string", bool: "a boolean"}.get(type(spec), "")
-            raise ClientError(
+            raise UsageError(
                 f"{path}:{number}: a job spec is a JSON object, got "
                 f"{kind or ('null' if spec is None else 'a number')}"
             )

@@ -226,7 +226,7 @@ def test_submit_file_refuses_unreadable_files_and_lines_with_their_line_number(
         elif isinstance(content, bytes):
             path.write_bytes(content)
         done = cli(node, "submit", "--file", str(path))
-        assert expected[name] in clean_failure(done), done.stderr
+        assert expected[name] in clean_failure(done, status=2), done.stderr
     # A spec the node refuses is named by its line in the file, blank lines counted.
     good = {"schedule": {"every": "1h"}, "task": {"shell": "true"}}
     bad = {"schedule": {"every": "0s"}, "task": {"shell": "true"}}
@@ -357,7 +357,7 @@ def test_json_nested_too_deeply_is_a_usage_error_not_a_traceback(
     path = tmp_path / "deep.jsonl"
     path.write_text('{"schedule": {"every": "1h"}, "task": {"shell": "true"}}\n' + deep + "\n")
     done = cli(node, "submit", "--file", str(path))
-    assert f"{path}:2: not usable JSON: nested too deeply" in clean_failure(done)
+    assert f"{path}:2: not usable JSON: nested too deeply" in clean_failure(done, 2)
 
 
 def test_a_duration_error_names_its_option_once(node: NodeProc) -> None:
