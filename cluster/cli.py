@@ -82,12 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
             "A second signal skips the drain; a third exits at once."
         ),
     )
-    worker.add_argument(
-        "--connect",
-        default=os.environ.get("TICKWHEEL_CONNECT", "127.0.0.1:7070"),
-        metavar="HOST:PORT",
-        help="the node (default $TICKWHEEL_CONNECT or 127.0.0.1:7070)",
-    )
+    options.add_connect(worker, with_json=False)
     worker.add_argument("--tier", action="append", metavar="NAME", help="repeatable")
     worker.add_argument("--slots", type=options.positive_int, default=4, help="tasks at once")
     worker.add_argument("--id", help="worker id (default host-pid)")

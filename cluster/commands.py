@@ -31,6 +31,7 @@ from cluster.client import (
     connect_reason,
     parse_address,
 )
+from cluster.options import connect_address
 from cluster.protocol import MAX_WORKER_SLOTS
 
 # Wide when piped, so that run ids are never cut in a log or a demo transcript.
@@ -363,10 +364,11 @@ def render_runs(runs: list[dict[str, Any]]) -> None:
 
 
 async def _with_client(args: argparse.Namespace, body: Callable[[Client], Awaitable[int]]) -> int:
+    address, source = connect_address(args)
     try:
-        host, port = parse_address(args.connect)
+        host, port = parse_address(address)
     except ClientError as exc:  # a command line's fault: status 2, as `worker --connect` gives
-        raise UsageError(str(exc)) from None
+        raise UsageError(f"{source}: {exc}") from None
 
     def waiting(exc: OSError) -> None:  # a node starting up gets the time; a typo a word
         err_console.print(
@@ -1296,10 +1298,11 @@ def work(args: argparse.Namespace) -> int:
             return 0.0
         return parse_duration(text, field=field) / 1000
 
+    address, source = connect_address(args)
     try:
-        host, port = parse_address(args.connect)
+        host, port = parse_address(address)
     except ClientError as exc:
-        return refuse(f"--connect: {exc}")
+        return refuse(f"{source}: {exc}")
     tiers = tuple(args.tier or ["default"])
     if not all(tiers):
         return refuse("--tier: a tier name must not be empty")

@@ -22,14 +22,31 @@ def positive_int(text: str) -> int:
     return value
 
 
-def add_connect(p: argparse.ArgumentParser) -> None:
+#: the node a command talks to when neither ``--connect`` nor ``TICKWHEEL_CONNECT`` names one
+DEFAULT_CONNECT = "127.0.0.1:7070"
+
+
+def add_connect(p: argparse.ArgumentParser, *, with_json: bool = True) -> None:
     p.add_argument(
         "--connect",
-        default=os.environ.get("TICKWHEEL_CONNECT", "127.0.0.1:7070"),
+        default=None,  # (resolved by connect_address, which knows where the value came from)
         metavar="HOST:PORT",
-        help="the node to talk to (default $TICKWHEEL_CONNECT or 127.0.0.1:7070)",
+        help=f"the node to talk to (default $TICKWHEEL_CONNECT or {DEFAULT_CONNECT})",
     )
+    if not with_json:
+        return
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def connect_address(args: argparse.Namespace) -> tuple[str, str]:
+    """The node's address the command line asks for, and where it came from (``--connect``,
+    ``TICKWHEEL_CONNECT`` or ``the default``), for an error about it."""
+    if args.connect is not None:
+        return args.connect, "--connect"
+    env = os.environ.get("TICKWHEEL_CONNECT")
+    if env is not None:
+        return env, "TICKWHEEL_CONNECT"
+    return DEFAULT_CONNECT, "the default"
 
 
 def add_spec_options(p: argparse.ArgumentParser, *, update: bool) -> None:

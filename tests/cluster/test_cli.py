@@ -408,15 +408,19 @@ def test_addresses_that_are_not_host_port_are_refused(text: str) -> None:
 
 
 def test_a_connect_address_that_is_not_host_port_is_a_usage_error_everywhere() -> None:
-    """Status 2 for client commands too, as for `worker --connect` (found by review: 1)."""
-    for argv, env in (
-        (("jobs", "--connect", "h:0"), {}),
-        (("run", "j@1", "--connect", ":7070"), {}),
-        (("jobs",), {"TICKWHEEL_CONNECT": "nonsense"}),
-        (("worker", "--connect", "nonsense"), {}),
+    """Status 2 for client commands too, as for `worker --connect` (found by review: 1), and
+    the message says where the address came from (found by review: it did not)."""
+    for argv, env, source in (
+        (("jobs", "--connect", "h:0"), {}, "--connect"),
+        (("run", "j@1", "--connect", ":7070"), {}, "--connect"),
+        (("jobs",), {"TICKWHEEL_CONNECT": "nonsense"}, "TICKWHEEL_CONNECT"),
+        (("jobs", "--connect", "x"), {"TICKWHEEL_CONNECT": "127.0.0.1:1"}, "--connect"),
+        (("worker", "--connect", "nonsense"), {}, "--connect"),
+        (("worker",), {"TICKWHEEL_CONNECT": "nonsense"}, "TICKWHEEL_CONNECT"),
     ):
         done = tw(*argv, env=env)
         assert done.returncode == 2 and "not HOST:PORT" in done.stderr, (argv, done.stderr)
+        assert f"{source}: " in done.stderr, (argv, done.stderr)
 
 
 def test_a_node_on_ipv6_loopback_is_reached_by_its_bracketed_address(tmp_path: Path) -> None:
