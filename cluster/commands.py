@@ -632,7 +632,9 @@ async def submit_lines(
         first_line_of.setdefault(lines[-1].job_id, number)
 
     async def created_before(line: SubmitLine) -> bool | None:
-        """Whether this command's earlier attempt created ``line``'s job (None: unknown)."""
+        """Whether ``line``'s job, answered ``exists``, is the line's own: made by this
+        command's earlier attempt (an id it made), or holding the line's very spec (an id the
+        file gave, on its first line). None: unknown (the job could not be read)."""
         if line.generated:
             return True
         if first_line_of.get(line.job_id) != line.number:
@@ -641,17 +643,6 @@ async def submit_lines(
             return await created_as_sent(client, line.spec) is not None
         except ClientError:
             return None
-
-    async def holds_spec(line: SubmitLine) -> bool:
-        """Whether ``line``'s job, answered ``exists``, holds the line's very spec (a file
-        submitted again, after a ^C or a failure: found by review): the line's work is done.
-        Only for an id the file gave, on its first line; any doubt is an error."""
-        if line.generated or first_line_of.get(line.job_id) != line.number:
-            return False
-        try:
-            return await created_as_sent(client, line.spec) is not None
-        except ClientError:
-            return False
 
     answered_at = trio.current_time()  # the last answer to any batch
 
@@ -776,9 +767,13 @@ async def submit_lines(
                         line.error = "exists, and whether this command created it is unknown"
                         line.unconfirmed = True
                         continue
-                if error.get("code") == "exists" and await holds_spec(line):
-                    line.existed = True  # the file submitted again: that line's work is done
-                    continue
+                if error.get("code") == "exists" and not line.generated:
+                    # The file submitted again (after a ^C or a failure: found by review): a
+                    # job that holds the line's very spec is that line's work done; any
+                    # doubt stays an error.
+                    if await created_before(line):
+                        line.existed = True
+                        continue
                 line.error = f"{error.get('code')}: {error.get('message')}"
             return
         for line in part:

@@ -1130,54 +1130,37 @@ async def _remove_container(plan: Launch) -> str | None:
 
 
 async def _bounded_runtime_call(plan: Launch, args: list[str]) -> tuple[str | None, str]:
-    """Run ``<runtime> ARGS`` for at most :data:`_CONTAINER_RM_S`: (None if it exited 0, else
-    why not: its exit status and the end of its stderr, a timeout, or a failure to start;
-    the start of its stdout)."""
+    """Run ``<runtime> ARGS`` for at most :data:`_CONTAINER_RM_S` (then SIGKILLed): (None if
+    it exited 0, else why not: its exit status and the last line of its stderr, a timeout,
+    or a failure to start; its stdout)."""
     assert plan.runtime is not None
     what = f"{plan.runtime} {' '.join(args)}"
-    try:
-        proc = await trio.lowlevel.open_process(
-            [plan.runtime, *args],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            env=dict(plan.env),
-            start_new_session=True,
-        )
-    except OSError as exc:
-        return f"{what}: {exc}", ""
-    assert proc.stdout is not None and proc.stderr is not None
-    out, err = bytearray(), bytearray()
 
-    async def read(stream: trio.abc.ReceiveStream, into: bytearray, tail: bool) -> None:
-        while chunk := await stream.receive_some(4096):
-            into += chunk
-            if len(into) > 4096:  # (the tail of stderr, the head of stdout is enough)
-                if tail:
-                    del into[: len(into) - 4096]
-                else:
-                    del into[4096:]
+    async def kill_now(proc: trio.Process) -> None:
+        proc.kill()  # (a runtime client that hangs gets no grace: the bound is the bound)
 
+    done: subprocess.CompletedProcess[bytes] | None = None
     try:
         with trio.move_on_after(_CONTAINER_RM_S):
-            async with trio.open_nursery() as readers:
-                readers.start_soon(read, proc.stdout, out, False)
-                readers.start_soon(read, proc.stderr, err, True)
-            await proc.wait()
-        if proc.returncode is None:
-            proc.kill()
-            with trio.move_on_after(_REAP_S):
-                await proc.wait()
-            return f"{what}: no answer within {_CONTAINER_RM_S:g} s", ""
-    finally:
-        with trio.CancelScope(shield=True):
-            await proc.stdout.aclose()
-            await proc.stderr.aclose()
-    said = out.decode(errors="replace")
-    if proc.returncode == 0:
+            done = await trio.run_process(
+                [plan.runtime, *args],
+                stdin=subprocess.DEVNULL,
+                capture_stdout=True,
+                capture_stderr=True,
+                check=False,
+                deliver_cancel=kill_now,
+                env=dict(plan.env),
+                start_new_session=True,
+            )
+    except OSError as exc:
+        return f"{what}: {exc}", ""
+    if done is None:
+        return f"{what}: no answer within {_CONTAINER_RM_S:g} s", ""
+    said = done.stdout.decode(errors="replace")
+    if done.returncode == 0:
         return None, said
-    lines = err.decode(errors="replace").strip().splitlines()
-    return f"{what}: exit {proc.returncode}" + (f": {lines[-1]}" if lines else ""), said
+    lines = done.stderr.decode(errors="replace").strip().splitlines()
+    return f"{what}: exit {done.returncode}" + (f": {lines[-1]}" if lines else ""), said
 
 
 async def _remove_container_until_gone(plan: Launch, out: _Output) -> None:

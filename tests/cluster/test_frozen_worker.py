@@ -18,16 +18,9 @@ from typing import Any
 import pytest
 
 from tests.cluster.procs import NodeProc, WorkerProc, in_s, wait_until, with_client
+from tests.cluster.test_runner import alive
 
 pytestmark = pytest.mark.timeout(90)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
 
 
 def test_a_frozen_workers_tasks_are_killed_by_its_guard_and_it_carries_on(tmp_path: Path) -> None:
@@ -56,7 +49,7 @@ def test_a_frozen_workers_tasks_are_killed_by_its_guard_and_it_carries_on(tmp_pa
         pidfile.unlink()
         os.kill(worker.proc.pid, signal.SIGSTOP)  # the worker process only, not its guard
         time.sleep(3.0)  # three leases: the guard's deadline (0.75 s after the last ack) passed
-        still = _alive(task_pids[0])
+        still = alive(task_pids[0])
         os.kill(worker.proc.pid, signal.SIGCONT)
         assert not still, f"3 s into a 1 s lease, attempt 1 (pid {task_pids[0]}) still runs"
         # The worker runs again: it finds its task gone, says hello, and takes attempt 2.

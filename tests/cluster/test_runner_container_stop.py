@@ -28,6 +28,7 @@ import trio
 import cluster.runner as runner
 from cluster.runner import container_name, run_task
 from engine.effects import RunTicket
+from tests.cluster.test_runner import alive
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -61,14 +62,6 @@ container)
   ;;
 esac
 """
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
 
 
 def ticket() -> RunTicket:
@@ -127,6 +120,25 @@ def wait_dead(pid: int) -> bool:
     return not alive(pid)
 
 
+async def stop_container(
+    t: RunTicket,
+    runtime: Path,
+    env: dict[str, str],
+    rm_fails: int,
+    out: runner.OnOutput,
+    guard: Guard | None = None,
+) -> runner.TaskOutcome:
+    """``t`` run on the fake runtime to its timeout, with ``rm`` failing ``rm_fails`` times."""
+    return await run_task(
+        t,
+        on_output=out,
+        kill_grace_s=0.3,
+        container_runtime=str(runtime),
+        base_env={**env, "FAKE_RM_FAILS": str(rm_fails)},
+        guard=guard,
+    )
+
+
 def test_a_failed_removal_is_tried_again_and_the_stop_reported_once_it_worked(
     fake: tuple[Path, Path, dict[str, str]],
 ) -> None:
@@ -139,16 +151,7 @@ def test_a_failed_removal_is_tried_again_and_the_stop_reported_once_it_worked(
         if stream == "stderr":
             err.extend(data)
 
-    result = trio.run(
-        lambda: run_task(
-            t,
-            on_output=out,
-            kill_grace_s=0.3,
-            container_runtime=str(runtime),
-            base_env={**env, "FAKE_RM_FAILS": "2"},
-            guard=guard,
-        )
-    )
+    result = trio.run(lambda: stop_container(t, runtime, env, 2, out, guard))
     assert result.outcome == "timed_out"
     assert wait_dead(container_pid(state, t)), "reported while the container still ran"
     assert (state / f"{container_name(t)}.rm").read_text().strip() == "3"
@@ -174,16 +177,7 @@ def test_a_removal_that_keeps_failing_is_never_reported_and_left_to_the_guard(
     async def main() -> None:
         # Cancelled after 3 s, as a worker that is ending cancels its runs.
         with trio.move_on_after(3):
-            returned.append(
-                await run_task(
-                    t,
-                    on_output=out,
-                    kill_grace_s=0.3,
-                    container_runtime=str(runtime),
-                    base_env={**env, "FAKE_RM_FAILS": "1000"},
-                    guard=guard,
-                )
-            )
+            returned.append(await stop_container(t, runtime, env, 1000, out, guard))
 
     trio.run(main)
     pid = container_pid(state, t)
@@ -215,13 +209,7 @@ def test_a_container_already_gone_counts_as_removed(
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(kill_container_then_break_rm)
-            return await run_task(
-                t,
-                on_output=out,
-                kill_grace_s=0.3,
-                container_runtime=str(runtime),
-                base_env={**env, "FAKE_RM_FAILS": "1000"},
-            )
+            return await stop_container(t, runtime, env, 1000, out)
 
     start = time.monotonic()
     result = trio.run(main)
@@ -246,13 +234,7 @@ def test_the_container_is_removed_before_anything_waits_for_the_node(
 
     async def main() -> None:
         with trio.move_on_after(3):
-            await run_task(
-                t,
-                on_output=out,
-                kill_grace_s=0.3,
-                container_runtime=str(runtime),
-                base_env={**env, "FAKE_RM_FAILS": "1"},
-            )
+            await stop_container(t, runtime, env, 1, out)
 
     trio.run(main)
     assert gone == [True]
@@ -275,15 +257,7 @@ def test_a_container_that_does_not_run_any_more_counts_as_removed(
     async def out(stream: str, data: bytes) -> None:
         pass
 
-    result = trio.run(
-        lambda: run_task(
-            t,
-            on_output=out,
-            kill_grace_s=0.3,
-            container_runtime=str(runtime),
-            base_env={**env, "FAKE_RM_FAILS": "1000"},
-        )
-    )
+    result = trio.run(lambda: stop_container(t, runtime, env, 1000, out))
     assert result.outcome == "timed_out"
     assert (state / f"{container_name(t)}.rm").read_text().strip() == "1"
 
@@ -317,13 +291,7 @@ def test_a_run_cancelled_while_its_container_is_removed_signals_no_reaped_group(
 
     async def main() -> None:
         with trio.move_on_after(3.0):
-            await run_task(
-                t,
-                on_output=out,
-                kill_grace_s=0.3,
-                container_runtime=str(runtime),
-                base_env={**env, "FAKE_RM_FAILS": "1000"},
-            )
+            await stop_container(t, runtime, env, 1000, out)
 
     trio.run(main)
     try:

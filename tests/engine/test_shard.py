@@ -349,17 +349,13 @@ def test_node_side_timeout_handlers(handler: str) -> None:
         assert node.durable_records[-1]["t"] == "outdone"
 
 
-@pytest.mark.parametrize("worker_goes", ["lease lapses", "heartbeats without confirming"])
-def test_an_unconfirmed_node_side_timeout_retries_at_least_once_after_the_wait(
-    worker_goes: str,
-) -> None:
-    """At-least-once, the node-side timeout also waits for the stop's confirmation (a worker
-    still stopping the task, a long kill grace or a container being removed, would otherwise
-    have the retry run beside it); without one, after the reattach grace (or the lease and
-    the grace), it is TIMED_OUT unconfirmed and retried by its handler."""
+def _timed_out_and_asked_to_stop(delivery: str) -> tuple[Node, tuple[tuple[str, int], ...]]:
+    """A run of ``delivery`` (timeout 2 s, retry:3) past its node-side timeout on a live
+    worker w1 that heartbeats it: asked to stop, waiting for the confirmation. The node, and
+    what w1's heartbeats say it holds."""
     node = Node(config=cfg(worker_lease_ms=3000, reattach_grace_ms=5000, timeout_grace_ms=1000))
     worker(node)
-    once(node, "t", timeout="2s", on_timeout="retry:3")
+    once(node, "t", timeout="2s", on_timeout="retry:3", delivery=delivery)
     node.advance(1000)
     (t1,) = node.tickets()
     held = ((t1.run_id, t1.token),)
@@ -368,6 +364,18 @@ def test_an_unconfirmed_node_side_timeout_retries_at_least_once_after_the_wait(
         node.do(Heartbeat("w1", held))
     assert [k.reason for k in node.kills] == ["timed out"]
     assert node.final_states() == ["CLAIMED"]  # waiting for the stop's confirmation
+    return node, held
+
+
+@pytest.mark.parametrize("worker_goes", ["lease lapses", "heartbeats without confirming"])
+def test_an_unconfirmed_node_side_timeout_retries_at_least_once_after_the_wait(
+    worker_goes: str,
+) -> None:
+    """At-least-once, the node-side timeout also waits for the stop's confirmation (a worker
+    still stopping the task, a long kill grace or a container being removed, would otherwise
+    have the retry run beside it); without one, after the reattach grace (or the lease and
+    the grace), it is TIMED_OUT unconfirmed and retried by its handler."""
+    node, held = _timed_out_and_asked_to_stop("at_least_once")
     node.advance(3000)
     if worker_goes != "lease lapses":
         node.do(Heartbeat("w1", held))
@@ -384,17 +392,7 @@ def test_an_unconfirmed_node_side_timeout_retries_at_least_once_after_the_wait(
 def test_at_most_once_is_never_retried_after_an_unconfirmed_node_side_timeout(
     worker_goes: str,
 ) -> None:
-    node = Node(config=cfg(worker_lease_ms=3000, reattach_grace_ms=5000, timeout_grace_ms=1000))
-    worker(node)
-    once(node, "t", timeout="2s", on_timeout="retry:3", delivery="at_most_once")
-    node.advance(1000)
-    (t1,) = node.tickets()
-    held = ((t1.run_id, t1.token),)
-    for _ in range(4):  # past the node-side timeout (claim + 2 s + 1 s): asked to stop
-        node.advance(1000)
-        node.do(Heartbeat("w1", held))
-    assert [k.reason for k in node.kills] == ["timed out"]
-    assert node.final_states() == ["CLAIMED"]  # waiting for the stop's confirmation
+    node, held = _timed_out_and_asked_to_stop("at_most_once")
     for _ in range(12):
         node.advance(1000)
         if worker_goes != "lease lapses":
