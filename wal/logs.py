@@ -127,7 +127,7 @@ class RocksLogStore:
     write-ahead log is one file, so the group commit that makes a run's final state durable
     makes every chunk appended before it durable too. An append costs O(1) reads and writes
     amortised (an evicted tail chunk is read once to learn its length); a read of a page is one
-    forward range scan. Thread-safe: one lock serialises appends and drops.
+    forward range scan. Thread-safe: one lock serialises appends, drops and reads.
 
     Failure modes: :class:`~wal.errors.StoreUsageError` for an unknown stream or a bad cursor;
     a typed :class:`~wal.errors.StoreFailure` when RocksDB fails (nothing half-appended: each
@@ -280,9 +280,12 @@ class RocksLogStore:
         total = state[_TOTAL]
         if not total:
             return
-        # No head; the tail starts at seq 2, one past where the marker stands (seq 1), as it
-        # does after a head; every byte received counts as dropped. A resend's dedupe stays.
-        dropped: list[Any] = [2, total, 0, 0, 0, 2, total]
+        # No head; the marker stands at the run's next seq and the tail starts one past it, so
+        # seqs only grow: a follower's cursor (at most the old next seq) is never past a chunk
+        # appended after the mark (restarting at seq 2 skipped them: found by review). Every
+        # byte received counts as dropped. A resend's dedupe stays.
+        tail_first = state[_NEXT] + 1
+        dropped: list[Any] = [tail_first, total, 0, 0, 0, tail_first, total]
         if len(state) > _RECEIVED:
             dropped.append(state[_RECEIVED])
         batch.put(prefix + codec.u32(0), codec.pack(dropped), self._handle)
@@ -306,38 +309,48 @@ class RocksLogStore:
         self, key: int, at: int, *, cursor: int = 0, limit: int = 64, max_bytes: int = 1 << 20
     ) -> LogPage:
         """See :class:`LogStore`. A cursor is opaque: its low 32 bits are the next chunk's seq,
-        the high 32 bits where that chunk starts in the run's tail (bytes past the head),
-        modulo 2**32. A reader whose next chunk was evicted (or cut at its front) since it
-        got the cursor gets one ``cut`` chunk with the bytes it missed: from its position to
-        the first byte still kept, which is always the total dropped (eviction drops a prefix
-        of the tail). Exact while a reader misses less than 4 GiB between two pages."""
+        the high 32 bits where that chunk starts in the run's output (every byte the run
+        received, dropped ones too), modulo 2**32. A reader whose next chunk was evicted (or
+        cut at its front, or dropped by retention's mark) since it got the cursor gets one
+        ``cut`` chunk with the bytes it missed: from its position to the first byte still
+        kept, which is always the head plus the total dropped (eviction drops a prefix of the
+        tail; a mark drops everything and leaves no head). Exact while a reader misses less
+        than 4 GiB between two pages.
+
+        Under the lock appends and retention's writes take: the state and the chunks it
+        names are read as one (retention's write runs in a thread; between a state read and
+        the scan it could evict the chunks the state names, and the reader lose them without
+        a cut: found by review)."""
         if cursor < 0 or cursor >= 1 << 64 or limit < 1 or max_bytes < 1:
             raise StoreUsageError(
                 f"bad page request: cursor={cursor} limit={limit} max_bytes={max_bytes}"
             )
         prefix = _prefix(key, at)
-        raw = self._get(prefix + codec.u32(0))
-        if raw is None:
-            return LogPage([], cursor, True)
-        state: list[Any] = decoded(raw, path=self._path, what="a run's log state")
-        out: list[LogChunk] = []
-        budget = [max_bytes]
-        c, pos = max(cursor & _SEQ_MASK, 1), cursor >> 32
-        hend, tfirst, dropped = state[_HEND], state[_TFIRST], state[_DROPPED]
-        if c <= hend:
-            c = self._scan(prefix, c, hend + 1, limit, budget, out)
-        if c <= hend + 1:
-            pos = 0  # at the head's end: the tail's first byte is next
-        if tfirst and c <= tfirst and len(out) < limit and budget[0] > 0:
-            missed = (dropped - pos) % (1 << 32)  # a position at or before the kept front
-            if missed:
-                out.append(LogChunk(c, CUT, 0, b"", missed))
-            c, pos = tfirst, dropped
-        if tfirst and c >= tfirst and len(out) < limit and budget[0] > 0:
-            taken = len(out)
-            c = self._scan(prefix, c, state[_NEXT], limit, budget, out)
-            pos += sum(len(chunk.data) for chunk in out[taken:])
-        return LogPage(out, c | (pos % (1 << 32)) << 32, c >= state[_NEXT])
+        with self._lock:
+            raw = self._get(prefix + codec.u32(0))
+            if raw is None:
+                return LogPage([], cursor, True)
+            state: list[Any] = decoded(raw, path=self._path, what="a run's log state")
+            out: list[LogChunk] = []
+            budget = [max_bytes]
+            c, pos = max(cursor & _SEQ_MASK, 1), cursor >> 32
+            hend, tfirst = state[_HEND], state[_TFIRST]
+            kept_front = state[_HEAD] + state[_DROPPED]  # where the kept tail starts
+            if c <= hend:
+                c = self._scan(prefix, c, hend + 1, limit, budget, out)
+                pos += sum(len(chunk.data) for chunk in out)
+            if c == hend + 1:
+                pos = state[_HEAD]  # at the head's end: the tail's first byte is next
+            if tfirst and c <= tfirst and len(out) < limit and budget[0] > 0:
+                missed = (kept_front - pos) % (1 << 32)  # a position at or before the front
+                if missed:
+                    out.append(LogChunk(c, CUT, 0, b"", missed))
+                c, pos = tfirst, kept_front
+            if tfirst and c >= tfirst and len(out) < limit and budget[0] > 0:
+                taken = len(out)
+                c = self._scan(prefix, c, state[_NEXT], limit, budget, out)
+                pos += sum(len(chunk.data) for chunk in out[taken:])
+            return LogPage(out, c | (pos % (1 << 32)) << 32, c >= state[_NEXT])
 
     def _scan(
         self, prefix: bytes, lo: int, hi: int, limit: int, budget: list[int], out: list[LogChunk]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -9,10 +10,11 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from rocksdict import WriteBatch
 
 from tests.wal.records import T0
 from wal.errors import StoreUsageError
-from wal.logs import CUT, LogChunk, LogLimits, LogStore
+from wal.logs import CUT, LogChunk, LogLimits, LogStore, RocksLogStore
 from wal.store import ShardStore
 
 
@@ -152,6 +154,7 @@ _OPS = st.lists(
     st.one_of(
         st.tuples(st.just("append"), st.integers(1, 25), st.sampled_from(["stdout", "stderr"])),
         st.tuples(st.just("read"), st.integers(0, 2), st.integers(1, 4), st.integers(1, 40)),
+        st.tuples(st.just("mark")),
     ),
     max_size=40,
 )
@@ -177,15 +180,22 @@ def test_every_reader_accounts_for_every_byte_with_cuts(
     page), and all of it (up to what was written) once a page says ``at_end``. Read from the
     start at the end, it is the head, one cut of everything dropped, and the kept tail."""
     logs = shared_store.logs
+    assert isinstance(logs, RocksLogStore)
     logs.limits = LogLimits(head_bytes=head, tail_bytes=tail)
     at = next(_RUNS)
     written = b""
+    marked = 0  # bytes written before the last retention mark: all of them dropped
     readers = [[0, 0] for _ in range(3)]  # cursor, position in what was written
     for n, op in enumerate(ops):
         if op[0] == "append":
             piece = bytes((n + i) % 251 for i in range(op[1]))
             logs.append(1, at, op[2], piece)
             written += piece
+            continue
+        if op[0] == "mark":
+            mark_dropped(logs, 1, at)
+            if written:  # a run with no output gets no marker
+                marked = len(written)
             continue
         reader = readers[op[1]]
         page = logs.read(1, at, cursor=reader[0], limit=op[2], max_bytes=op[3])
@@ -202,8 +212,75 @@ def test_every_reader_accounts_for_every_byte_with_cuts(
         if page.at_end:
             assert reader[1] == len(written)
     everything = read_all(logs, 1, at, limit=1000)
-    rest = written[head:]
+    kept_head = written[:head] if not marked else b""
+    rest = written[len(kept_head) :] if not marked else written[marked:]
     kept = rest[-tail:] if rest else b""
     cuts = [c.dropped for c in everything if c.stream == CUT]
-    assert cuts == ([len(rest) - len(kept)] if len(rest) > len(kept) else [])
-    assert b"".join(c.data for c in everything) == written[:head] + kept
+    dropped = marked + len(rest) - len(kept)
+    assert cuts == ([dropped] if dropped else [])
+    assert b"".join(c.data for c in everything) == kept_head + kept
+
+
+def mark_dropped(logs: RocksLogStore, key: int, at: int) -> None:
+    """What retention does to the newest run of a job past the age limit: drop its logs and
+    leave a state saying every byte went (one write, under the store's exclusive lock)."""
+    batch = WriteBatch(raw_mode=True)
+    with logs.exclusive:
+        logs.drop_into(batch, key, at, at + 1)
+        logs.mark_dropped_into(batch, key, at)
+        logs._write(batch, "marking a run's logs dropped")
+
+
+def test_a_follower_past_a_retention_mark_gets_a_cut_and_every_chunk_after_it(
+    store: ShardStore,
+) -> None:
+    """A follower whose cursor is deep in a run's log when retention marks it dropped (the run
+    is its job's newest and past the age; its task still writes) is told what it missed and
+    then gets every chunk appended after the mark: the marked state's seqs go on from the old
+    ones (found by review: they restarted at 2, below the follower's cursor)."""
+    logs = store.logs
+    assert isinstance(logs, RocksLogStore)
+    for _ in range(6):
+        logs.append(3, T0, "stdout", b"ab")  # 12 bytes: the head (10) and a tail
+    page = logs.read(3, T0, limit=100)
+    assert text(page.chunks) == "abababababab" and page.at_end
+    mark_dropped(logs, 3, T0)
+    for piece in (b"x", b"y", b"z"):
+        logs.append(3, T0, "stdout", piece)
+    page = logs.read(3, T0, cursor=page.cursor, limit=100)
+    assert text(page.chunks) == "xyz" and page.at_end  # nothing missed: it had all 12 bytes
+    # A reader from the start, and one that had read only the first chunk.
+    assert text(read_all(logs, 3, T0)) == "[cut 12]xyz"
+    first = logs.read(3, T0, limit=1)  # the cut: the head is gone
+    assert first.chunks[0].stream == CUT and first.chunks[0].dropped == 12
+
+
+def test_a_read_and_a_retention_write_in_a_thread_do_not_interleave(
+    store: ShardStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Retention writes from a worker thread. A read that took a run's log state and then
+    scanned its chunks after such a write had dropped them returned nothing and no cut, and
+    said it was at the end: the reader lost the bytes without being told (found by review).
+    Here the write is started from inside the read, between the two; the read must see the
+    log either before it or after it, never half."""
+    logs = store.logs
+    assert isinstance(logs, RocksLogStore)
+    logs.append(4, T0, "stdout", b"hello")
+    real_get = logs._get
+    writer: list[threading.Thread] = []
+
+    def get_then_retain(key: bytes) -> bytes | None:
+        value = real_get(key)
+        if not writer:
+            writer.append(threading.Thread(target=mark_dropped, args=(logs, 4, T0)))
+            writer[0].start()
+            writer[0].join(0.3)  # long enough for it to finish, unless the read holds it off
+        return value
+
+    monkeypatch.setattr(logs, "_get", get_then_retain)
+    page = logs.read(4, T0, limit=100)
+    monkeypatch.undo()
+    writer[0].join()
+    assert text(page.chunks) in ("hello", "[cut 5]")
+    assert text(read_all(logs, 4, T0)) == "[cut 5]"
+    assert logs.read(4, T0, cursor=page.cursor).chunks == []  # had it all, one way or other
