@@ -153,7 +153,9 @@ _POS_WHY: Final = {
 }
 
 #: The engine's guards that :attr:`EngineConfig.mutants` may switch off.
-ENGINE_MUTANTS = frozenset({"claim-after-fire", "no-redispatch", "report-ack-before-durable"})
+ENGINE_MUTANTS = frozenset(
+    {"claim-after-fire", "no-redispatch", "report-ack-before-durable", "no-stop-wait"}
+)
 
 
 @dataclass(frozen=True)
@@ -187,7 +189,9 @@ class EngineConfig:
     max_chain_depth: int = 64
     #: guards switched off on purpose, so the simulation can prove its checks catch the fault:
     #: "claim-after-fire" (an at-most-once run sent before its claim is durable) and
-    #: "no-redispatch" (at-least-once runs of a lapsed worker lease not handed out again).
+    #: "no-redispatch" (at-least-once runs of a lapsed worker lease not handed out again),
+    #: "report-ack-before-durable" and "no-stop-wait" (a node-side timeout decided, and
+    #: retried, without waiting for the worker to confirm the task stopped).
     #: Empty in production; never set it outside tests.
     mutants: frozenset[str] = frozenset()
 
@@ -2391,6 +2395,13 @@ class ShardEngine:
         whose worker is still stopping it (its kill grace, a container's removal). Otherwise
         the timeout is decided now.
         """
+        if "no-stop-wait" in self.config.mutants:
+            # The mutant: decided as if the stop were confirmed, so a retry starts beside a
+            # task still being stopped.
+            if run.worker is not None:
+                self._out.append(Kill(run.worker, self._run_id(run), run.token, "timed out"))
+            self._timed_out(run, confirmed=True)
+            return
         if run.worker is not None and _asks_stop(run.policy):
             run.stopping = True
             # Nothing is decided yet, so the Kill may leave at once; a crash before the

@@ -53,6 +53,14 @@ class SimConfig:
     idle_heartbeat_ms: int = 20_000
     #: a worker kills its tasks of a shard once this much of the lease is gone unconfirmed
     worker_fence_margin_ms: int = 3_000
+    #: stopping a task (a timeout, the node's kill) takes time, as the real worker's SIGTERM,
+    #: kill grace and SIGKILL do: most tasks end at once, ``slow_stop_share`` of them ignore
+    #: the SIGTERM and end at the kill grace, and ``stuck_stop_share`` take far longer (a
+    #: container whose removal is retried); the report goes out only once the task ended
+    kill_grace_ms: int = 5_000
+    slow_stop_share: float = 0.2
+    stuck_stop_share: float = 0.05
+    stuck_stop_max_ms: int = 60_000
     #: the node's timer resolution: engine wakeups are rounded up to this
     tick_ms: int = 10
     #: lease wakeups (renewals, resends, polls) are rounded up to this, so they coincide
@@ -108,6 +116,16 @@ class SimConfig:
             raise SimConfigError("--hours must be in (0, 168]")
         if not 0 <= self.burst_share <= 1 or not 0 <= self.loss < 0.5:
             raise SimConfigError("burst share must be in [0, 1] and loss in [0, 0.5)")
+        if not (
+            0 <= self.slow_stop_share
+            and 0 <= self.stuck_stop_share
+            and self.slow_stop_share + self.stuck_stop_share <= 1
+            and 0 <= self.kill_grace_ms <= self.stuck_stop_max_ms
+        ):
+            raise SimConfigError(
+                "stop shares must be >= 0 with a sum of at most 1, and 0 <= kill grace <= "
+                "the longest stuck stop"
+            )
 
     @property
     def shard_count(self) -> int:

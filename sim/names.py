@@ -20,4 +20,5 @@ MUTANTS: tuple[str, ...] = (
     "no-self-fence",
     "no-redispatch",
     "report-ack-before-durable",
+    "no-stop-wait",
 )

@@ -4,8 +4,10 @@ Owns what DESIGN.md asks of a worker: it says hello to each shard's owner (re-an
 runs it holds, with their tokens, after a node restart or a lost connection), heartbeats,
 pulls with credits, refuses a dispatch stamped with an epoch older than one it has seen for
 the shard (:class:`engine.lease.EpochFence`), kills its tasks of a shard it could not
-heartbeat for longer than the lease minus a margin, enforces a task's timeout itself, and
-repeats a final report until the node acknowledges it. Task durations and outcomes come
+heartbeat for longer than the lease minus a margin, enforces a task's timeout itself, stops
+a task the way the real one does (it runs on through the SIGTERM and the kill grace, and a few
+far longer, before its report goes out: the node's timeout must wait for that), and repeats a
+final report until the node acknowledges it. Task durations and outcomes come
 from its own seeded random stream.
 
 It records every execution (start, end, outcome, whether a final report went out) for the
@@ -67,6 +69,9 @@ class _Task:
     ticket: RunTicket
     shard: int
     execution: Execution
+    #: the outcome it is being stopped with ("timed_out", "killed"), while its stop takes
+    #: time; None while it runs
+    stopping: str | None = None
 
 
 class SimWorker:
@@ -401,7 +406,7 @@ class SimWorker:
         duration = min(_MAX_TASK_MS, int(self._rng.lognormvariate(math.log(3_000), 1.1)))
         outcome = "failed" if self._rng.random() < 0.08 else "success"
         if ticket.timeout_ms is not None and duration > ticket.timeout_ms:
-            duration, outcome = ticket.timeout_ms, "timed_out"
+            duration, outcome = ticket.timeout_ms, "timed_out"  # then its stop (_finish)
         execution = self.w.observer.started(self.name, shard, ticket)
         self.tasks[key] = _Task(ticket, shard, execution)
         session = self.sessions[shard]
@@ -427,19 +432,45 @@ class SimWorker:
     def _finish(self, incarnation: int, key: tuple[str, int], outcome: str) -> None:
         if not self.alive or incarnation != self.incarnation:
             return
-        task = self.tasks.pop(key, None)
-        if task is None:
-            return  # killed or fenced meanwhile
+        task = self.tasks.get(key)
+        if task is None or task.stopping is not None:
+            return  # fenced meanwhile, or being stopped: the stop wins, as in the real worker
+        if outcome == "timed_out":
+            self._stop(key, task, "timed_out")
+            return
+        del self.tasks[key]
         self._report(task, outcome, exit_code=0 if outcome == "success" else 1)
 
     def on_kill(self, run_id: str, token: int) -> None:
         key = (run_id, token)
         # A final report not yet acknowledged stays: the node may still be waiting for it (an
         # at-most-once timeout waits for the confirmed kill), and the real worker keeps it.
+        task = self.tasks.get(key)
+        if task is not None and task.stopping is None:  # (one stop at a time: its report)
+            self._stop(key, task, "killed")
+
+    def _stop(self, key: tuple[str, int], task: _Task, outcome: str) -> None:
+        """Stop ``task`` as the real worker does: it runs on (holding its slot, announced in
+        hellos) until the stop takes, and only then is it reported, with ``outcome``."""
+        task.stopping = outcome
+        config, roll = self.w.config, self._rng.random()
+        if roll < config.stuck_stop_share:
+            delay = self._rng.randint(config.kill_grace_ms, config.stuck_stop_max_ms)
+        elif roll < config.stuck_stop_share + config.slow_stop_share:
+            delay = config.kill_grace_ms + self._rng.randint(0, 100)  # the SIGKILL at the grace
+        else:
+            delay = self._rng.randint(0, 200)  # it obeyed the SIGTERM
+        self.k.trace("stopping", self.name, key[0], key[1], outcome, delay)
+        self.k.later(delay, self._stopped, self.incarnation, key)
+
+    def _stopped(self, incarnation: int, key: tuple[str, int]) -> None:
+        if not self.alive or incarnation != self.incarnation:
+            return
         task = self.tasks.pop(key, None)
-        if task is not None:
-            self.k.trace("killed", self.name, run_id, token)
-            self._report(task, "killed", exit_code=None)
+        if task is None or task.stopping is None:
+            return  # fenced or superseded while it was being stopped
+        self.k.trace(task.stopping, self.name, key[0], key[1])
+        self._report(task, task.stopping, exit_code=None)
 
     def _report(self, task: _Task, outcome: str, *, exit_code: int | None) -> None:
         self.w.observer.ended(task.execution, outcome, reported=True)

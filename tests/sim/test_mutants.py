@@ -18,6 +18,7 @@ EXPECTED = {
     "no-self-fence": {"acted-after-lease"},
     "no-redispatch": {"stuck-run"},
     "report-ack-before-durable": {"acknowledged-report"},
+    "no-stop-wait": {"at-most-once-executed-twice"},
 }
 
 
