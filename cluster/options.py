@@ -64,7 +64,12 @@ def add_spec_options(p: argparse.ArgumentParser, *, update: bool) -> None:
         help="run CMD (split like a shell, then run without one)",
     )
     what.add_argument("--shell", metavar="LINE", help="run LINE through /bin/sh")
-    what.add_argument("--payload", metavar="JSON", help="hand JSON to a user worker")
+    what.add_argument(
+        "--payload",
+        metavar="JSON",
+        help="hand JSON to a user worker (Linux caps one argument at 128 KiB: a larger payload "
+        "goes in a line of submit --file)",
+    )
     p.add_argument("--timeout", metavar="DUR")
     p.add_argument("--on-timeout", metavar="kill|mark|retry:N|trigger:JOB")
     p.add_argument("--delivery", choices=["at-least-once", "at-most-once"])

@@ -635,11 +635,30 @@ def _validate_cron(expr: str) -> None:
     try:
         next(CronSim(expr, _PROBE))
     except CronSimError as exc:
+        never = _days_never_in_months(expr) if str(exc) == "Bad day-of-month" else None
+        if never is not None:
+            raise ScheduleError(never, field="schedule.cron") from None
         raise ScheduleError(f"{exc} in cron expression {expr!r}", field="schedule.cron") from None
     except StopIteration:
         raise ScheduleError(
             f"cron expression {expr!r} never matches", field="schedule.cron"
         ) from None
+
+
+def _days_never_in_months(expr: str) -> str | None:
+    """The message for a day-of-month that is valid alone but occurs in none of the months
+    the expression names (``0 0 30 2 *``: February has no 30th), which cronsim reports as a
+    bad day-of-month; None when the day-of-month is bad by itself."""
+    fields = expr.split(" ")
+    dom, month = (2, 3) if len(fields) == 5 else (3, 4)
+    try:
+        CronSim(" ".join([*fields[:month], "*", *fields[month + 1 :]]), _PROBE)
+    except CronSimError:
+        return None
+    return (
+        f"cron expression {expr!r} never matches: no month of {fields[month]!r} has day "
+        f"{fields[dom]!r}"
+    )
 
 
 # --------------------------------------------------------------------------------------------

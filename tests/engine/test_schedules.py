@@ -416,7 +416,9 @@ def test_parse_duration_custom_error_class() -> None:
     [
         ({"cron": "61 * * * *"}, "schedule.cron", "Bad minute"),
         ({"cron": "* 25 * * *"}, "schedule.cron", "Bad hour"),
-        ({"cron": "0 0 30 2 *"}, "schedule.cron", "Bad day-of-month"),
+        ({"cron": "0 0 30 2 *"}, "schedule.cron", "never matches: no month of '2' has day '30'"),
+        ({"cron": "0 0 31 4,6 *"}, "schedule.cron", "no month of '4,6' has day '31'"),
+        ({"cron": "0 0 32 * *"}, "schedule.cron", "Bad day-of-month"),
         ({"cron": "0 0 * * 8"}, "schedule.cron", "Bad day-of-week"),
         ({"cron": "* * *"}, "schedule.cron", "has 3 fields"),
         ({"cron": "@reboot"}, "schedule.cron", "@reboot is not supported"),
