@@ -34,6 +34,9 @@ from engine.frozen import rebuilt_by_init
 LEASE_MUTANTS = frozenset({"no-self-fence"})
 #: The guard :attr:`EpochFence.mutants` may switch off.
 FENCE_MUTANTS = frozenset({"no-epoch-fence"})
+#: The worker's self-fence (:func:`worker_fence_at`), which the simulated worker may skip
+#: (``SimConfig.worker_mutants``): its tasks then run on past the deadline.
+WORKER_MUTANTS = frozenset({"no-worker-fence"})
 
 _PPM = 1_000_000
 
@@ -620,6 +623,7 @@ def stop_disposition(delivery: str) -> str:
 __all__ = [
     "FENCE_MUTANTS",
     "LEASE_MUTANTS",
+    "WORKER_MUTANTS",
     "Acquire",
     "Denied",
     "EpochFence",

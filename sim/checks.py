@@ -13,7 +13,14 @@
    been opened or contacted under (the zombie's late delivery is what the fence is for);
 7. every final report a worker was told was taken is in the shard's durable log (the worker
    forgets it then: a crash that lost it would turn a known outcome into LOST, or run an
-   at-least-once run that succeeded again).
+   at-least-once run that succeeded again);
+8. no attempt of an at-least-once run starts while an earlier attempt of it still executes:
+   a retry follows the earlier attempt's end, and a run handed out again after its worker's
+   lease lapsed follows that worker's self-fence (DESIGN.md, "Workers fence themselves").
+   Except in the crash window DESIGN.md leaves open: an attempt sent by an owner that
+   crashed before its claim was durable, and sent again by the next owner, which could not
+   know of it (its worker's hello, announcing it, may come a moment later: it is then
+   stopped, and its report is only a note).
 
 Owns the :class:`Observer` (drivers report what happened as it happens: actions, executions,
 acknowledgements) and :func:`final_checks` (the durable logs at the end). Must never change
@@ -30,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 from engine.effects import RunTicket
 from engine.frozen import rebuilt_by_init
 from engine.records import expand
-from engine.runs import FINAL_VALUES
+from engine.runs import FINAL_VALUES, token_epoch
 from engine.schedules import Schedule, parse_schedule
 from sim.config import T0
 
@@ -214,12 +221,13 @@ class Totals:
 
 
 def final_checks(world: World) -> tuple[list[Violation], Totals]:
-    """Checks 1, 2, 4 and the durable half of 6 on the state at the end of the run."""
+    """Checks 1, 2, 4, 8 and the durable half of 6 on the state at the end of the run."""
     out: list[Violation] = []
     totals = Totals()
     for store in world.stores:
         _check_log(world, store.shard, out, totals)
     _check_amo(world, out, totals)
+    _check_alo_overlap(world, out)
     return out, totals
 
 
@@ -450,3 +458,55 @@ def _check_amo(world: World, out: list[Violation], totals: Totals) -> None:
                     )
                 )
                 break
+
+
+def _check_alo_overlap(world: World, out: list[Violation]) -> None:
+    """Check 8 (at-most-once runs have check 2, which asks more)."""
+    by_run: defaultdict[str, list[Execution]] = defaultdict(list)
+    for e in world.observer.executions:
+        if e.delivery == "at_least_once":
+            by_run[e.run_id].append(e)
+    if not any(len(executions) > 1 for executions in by_run.values()):
+        return
+    # (shard, token) -> when a record of the attempt first became durable: from then on any
+    # later owner knows of it.
+    known: dict[tuple[int, int], int] = {}
+    for store in world.stores:
+        for batch in store.batches:
+            for raw in batch.records:
+                for r in expand(raw) if raw["t"] == "fire" else (raw,):
+                    if r["t"] == "run" and r.get("tok"):
+                        known.setdefault((store.shard, r["tok"]), batch.durable_at)
+    out += alo_overlaps(by_run, known)
+
+
+def alo_overlaps(
+    by_run: dict[str, list[Execution]], known: dict[tuple[int, int], int]
+) -> list[Violation]:
+    """Check 8's judgement: ``by_run`` maps a run id to its at-least-once executions,
+    ``known`` maps (shard, token) to when a record of that attempt first became durable.
+    At most one violation per run."""
+    out: list[Violation] = []
+    for run_id, executions in by_run.items():
+        if len(executions) < 2:
+            continue
+        executions.sort(key=lambda e: (e.start, e.token))
+        for a, b in itertools.pairwise(executions):
+            if a.end is not None and a.end <= b.start:
+                continue
+            unknown_to_b = (
+                token_epoch(b.token) > token_epoch(a.token)
+                and known.get((a.shard, a.token), b.start + 1) > b.start
+            )
+            if not unknown_to_b:
+                out.append(
+                    Violation(
+                        "at-least-once-attempts-overlap",
+                        f"{run_id}: attempt {a.attempt} (token {a.token}, {a.worker}, "
+                        f"{a.start}..{a.end} {a.outcome}) still executed when attempt "
+                        f"{b.attempt} (token {b.token}, {b.worker}) started at {b.start}",
+                        (run_id,),
+                    )
+                )
+                break
+    return out

@@ -10,13 +10,14 @@ from dataclasses import dataclass, field, replace
 
 from engine.lease import FENCE_MUTANTS as _FENCE_MUTANTS
 from engine.lease import LEASE_MUTANTS as _LEASE_MUTANTS
+from engine.lease import WORKER_MUTANTS as _WORKER_MUTANTS
 from engine.lease import LeaseConfig
 from engine.shard import ENGINE_MUTANTS as _ENGINE_MUTANTS
 from engine.shard import EngineConfig
 from sim.names import FAULTS, MUTANTS
 
 # Each mutant switches off a guard in the module that owns it; the CLI's list must match.
-assert set(MUTANTS) == _ENGINE_MUTANTS | _LEASE_MUTANTS | _FENCE_MUTANTS
+assert set(MUTANTS) == _ENGINE_MUTANTS | _LEASE_MUTANTS | _FENCE_MUTANTS | _WORKER_MUTANTS
 
 T0 = 1_767_225_600_000  # 2026-01-01T00:00:00Z: simulated time 0, a top of the hour
 HOUR_MS = 3_600_000
@@ -159,6 +160,9 @@ class SimConfig:
 
     def fence_mutants(self) -> frozenset[str]:
         return self._mutants(_FENCE_MUTANTS)
+
+    def worker_mutants(self) -> frozenset[str]:
+        return self._mutants(_WORKER_MUTANTS)
 
 
 def parse_faults(text: str) -> frozenset[str]:

@@ -21,4 +21,5 @@ MUTANTS: tuple[str, ...] = (
     "no-redispatch",
     "report-ack-before-durable",
     "no-stop-wait",
+    "no-worker-fence",
 )

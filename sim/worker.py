@@ -85,6 +85,7 @@ class SimWorker:
         self.incarnation = 0
         self._rng = self.k.rng(f"worker{index}")
         self._fence = world.fence
+        self._self_fences = "no-worker-fence" not in world.config.worker_mutants()
         self._seq = 0
         self.sessions: list[_Session] = []
         self.tasks: dict[tuple[str, int], _Task] = {}
@@ -361,7 +362,9 @@ class SimWorker:
             self._arm_fence(shard)
             return
         doomed = [key for key, task in self.tasks.items() if task.shard == shard]
-        if doomed:
+        if doomed and not self._self_fences:
+            self.k.trace("worker-fence-skipped", self.name, f"s{shard}", len(doomed))  # mutant
+        elif doomed:
             # No heartbeat confirmed for longer than the lease minus the margin: the node
             # treats these as lost or hands them out again.
             self.k.trace("worker-fence", self.name, f"s{shard}", len(doomed))
