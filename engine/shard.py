@@ -2270,7 +2270,16 @@ class ShardEngine:
                 continue
             if run.worker != worker.worker_id:
                 self._reattach(worker, run)
-            elif run.sent != _UNSENT:
+                continue
+            if run.stopping and run.policy.delivery == "at_least_once":
+                # Its worker still holds the task it was asked to stop (a long kill grace, a
+                # container whose removal is retried): the stop is under way, and a retry
+                # decided now would run beside it (found by the simulation's check 8 with
+                # stops longer than the grace). It waits on while the worker announces it;
+                # the worker's lease lapsing, or a hello without it, ends the wait.
+                # (At-most-once never retries an unconfirmed timeout: it need not wait.)
+                self._set_run_timer(run, "stop", self._mono + self.config.reattach_grace_ms)
+            if run.sent != _UNSENT:
                 # Announced by the worker it went to: it has this attempt (as _reattach
                 # records it), so a later hello that omits it let it go, whatever send again
                 # is still numbered after that hello's ``seen``.
@@ -2388,7 +2397,9 @@ class ShardEngine:
         the task (not "mark"): the worker is asked to stop the task and the run stays in
         flight until the confirmed report (``killed`` or ``timed_out``), which applies the
         timeout handler, retries included. Only when no report comes, within the reattach
-        grace or before the worker's lease and then the grace lapse, is it TIMED_OUT
+        grace (at-least-once: counted from its worker's last announcement of the task, since
+        a worker that still holds it is still stopping it) or before the worker's lease and
+        then the grace lapse, is it TIMED_OUT
         unconfirmed: at-most-once without a retry (DESIGN.md: at-most-once retries follow a
         confirmed final report only), at-least-once with its handler's retries. Waiting for
         the confirmation at-least-once too keeps a retry from starting beside an attempt

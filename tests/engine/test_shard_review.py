@@ -295,8 +295,11 @@ def test_a_timeout_kill_waits_for_the_decision_to_be_durable() -> None:
     node.flush()
     # No confirmation within the reattach grace: the timeout is decided (a retry), and its
     # kill waits for that decision to be durable.
-    for _ in range(4):  # (the worker heartbeats: its lease holds through the grace)
-        node.do(Heartbeat("w1", ((t.run_id, t.token),)))
+    for _ in range(4):
+        # The worker heartbeats (its lease holds through the grace) without naming the run:
+        # one naming it would say it is still stopping the task, and an at-least-once run
+        # then waits on (test_an_unconfirmed_node_side_timeout_retries_at_least_once_...).
+        node.do(Heartbeat("w1"))
         node.flush()
         node.advance(node.engine.config.reattach_grace_ms // 4)
     node.advance(1)

@@ -57,3 +57,16 @@ def test_an_overlap_in_the_crash_window_is_not() -> None:
     # The claim never became durable, or only after the next owner sent the run again.
     assert violations([execution(a, 0, 520, 1), execution(b, 500, 900, 2)], {}) == []
     assert violations([execution(a, 0, 520, 1), execution(b, 500, 900, 2)], claim(a, 700)) == []
+
+
+def test_an_attempt_exempt_against_one_is_still_judged_against_the_next() -> None:
+    """a ran on past b (the crash window) and past c, which its next owner started after a's
+    claim had become durable: (a, c) is an overlap, though b ended before c started (found by
+    review: only neighbours were compared)."""
+    a, b, c = token(1, 1), token(2, 1), token(2, 2)
+    found = violations(
+        [execution(a, 0, 1000, 1), execution(b, 10, 20, 2), execution(c, 500, 600, 3)],
+        claim(a, 100),
+    )
+    assert [v.check for v in found] == ["at-least-once-attempts-overlap"]
+    assert "attempt 1" in found[0].message and "attempt 3" in found[0].message
