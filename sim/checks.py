@@ -224,11 +224,23 @@ def final_checks(world: World) -> tuple[list[Violation], Totals]:
     """Checks 1, 2, 4, 8 and the durable half of 6 on the state at the end of the run."""
     out: list[Violation] = []
     totals = Totals()
+    # (shard, token) -> when a record of that attempt first became durable (for check 8),
+    # filled by the one replay of each log
+    known: dict[tuple[int, int], int] = {}
     for store in world.stores:
-        _check_log(world, store.shard, out, totals)
+        _check_log(world, store.shard, out, totals, known)
     _check_amo(world, out, totals)
-    _check_alo_overlap(world, out)
+    out += alo_overlaps(_executions_by_run(world, "at_least_once"), known)
     return out, totals
+
+
+def _executions_by_run(world: World, delivery: str) -> dict[str, list[Execution]]:
+    """Run id -> the executions of its attempts, for runs of ``delivery``."""
+    by_run: defaultdict[str, list[Execution]] = defaultdict(list)
+    for e in world.observer.executions:
+        if e.delivery == delivery:
+            by_run[e.run_id].append(e)
+    return by_run
 
 
 def _schedule_of(spec: dict[str, Any], cache: dict[str, Schedule]) -> Schedule:
@@ -240,7 +252,13 @@ def _schedule_of(spec: dict[str, Any], cache: dict[str, Schedule]) -> Schedule:
     return found
 
 
-def _check_log(world: World, shard: int, out: list[Violation], totals: Totals) -> None:
+def _check_log(
+    world: World,
+    shard: int,
+    out: list[Violation],
+    totals: Totals,
+    known: dict[tuple[int, int], int],
+) -> None:
     store = world.stores[shard]
     cfg = world.config
     keys: dict[int, _Key] = {}
@@ -294,6 +312,8 @@ def _check_log(world: World, shard: int, out: list[Violation], totals: Totals) -
                     if ref not in last_run:
                         totals.runs += 1
                     last_run[ref] = (r, batch.durable_at)
+                    if r["tok"]:
+                        known.setdefault((shard, r["tok"]), batch.durable_at)
                     if r["state"] in _REPORTED or "; retry" in (r.get("why") or ""):
                         reported.add((r["key"], r["at"], r["tok"]))
                     k = keys.get(r["key"])
@@ -430,11 +450,7 @@ def _check_log(world: World, shard: int, out: list[Violation], totals: Totals) -
 
 
 def _check_amo(world: World, out: list[Violation], totals: Totals) -> None:
-    by_run: defaultdict[str, list[Execution]] = defaultdict(list)
-    for e in world.observer.executions:
-        if e.delivery == "at_most_once":
-            by_run[e.run_id].append(e)
-    for run_id, executions in by_run.items():
+    for run_id, executions in _executions_by_run(world, "at_most_once").items():
         if len(executions) < 2:
             continue
         executions.sort(key=lambda e: (e.start, e.token))
@@ -460,30 +476,10 @@ def _check_amo(world: World, out: list[Violation], totals: Totals) -> None:
                 break
 
 
-def _check_alo_overlap(world: World, out: list[Violation]) -> None:
-    """Check 8 (at-most-once runs have check 2, which asks more)."""
-    by_run: defaultdict[str, list[Execution]] = defaultdict(list)
-    for e in world.observer.executions:
-        if e.delivery == "at_least_once":
-            by_run[e.run_id].append(e)
-    if not any(len(executions) > 1 for executions in by_run.values()):
-        return
-    # (shard, token) -> when a record of the attempt first became durable: from then on any
-    # later owner knows of it.
-    known: dict[tuple[int, int], int] = {}
-    for store in world.stores:
-        for batch in store.batches:
-            for raw in batch.records:
-                for r in expand(raw) if raw["t"] == "fire" else (raw,):
-                    if r["t"] == "run" and r.get("tok"):
-                        known.setdefault((store.shard, r["tok"]), batch.durable_at)
-    out += alo_overlaps(by_run, known)
-
-
 def alo_overlaps(
     by_run: dict[str, list[Execution]], known: dict[tuple[int, int], int]
 ) -> list[Violation]:
-    """Check 8's judgement: ``by_run`` maps a run id to its at-least-once executions,
+    """Check 8: ``by_run`` maps a run id to its at-least-once executions,
     ``known`` maps (shard, token) to when a record of that attempt first became durable.
     At most one violation per run."""
     out: list[Violation] = []
