@@ -27,14 +27,14 @@ bytecode: $(STAMP)
 # any source in those packages changes (~2.5 min); each package refuses to import a compiled
 # module older than its source. `make interpreted` removes them all.
 NATIVE_STAMP := build/native/.built
-$(NATIVE_STAMP): $(STAMP) build_native.py $(wildcard engine/*.py sim/*.py)
+$(NATIVE_STAMP): $(STAMP) build_native.py $(wildcard engine/*.py sim/*.py) wal/route.py
 	$(BIN)/python build_native.py
 	@mkdir -p $(dir $@) && touch $@
 
 native: $(NATIVE_STAMP)
 
 interpreted:
-	rm -f engine/*.so sim/*.so tickwheel_native__mypyc*.so $(NATIVE_STAMP)  # (the last: older builds')
+	rm -f engine/*.so sim/*.so wal/*.so tickwheel_native__mypyc*.so $(NATIVE_STAMP)  # (the last: older builds')
 
 # A node and a worker on a fresh temporary data directory, four sample jobs, their runs and logs.
 demo: $(STAMP) bytecode native

@@ -48,7 +48,8 @@ from engine.effects import Persist
 from engine.snapshot import Snapshot
 from wal import codec
 from wal.commit import CommitQueue, GroupCommitter, Ticket
-from wal.store import PreparedBatch, ShardStore
+from wal.route import PreparedBatch
+from wal.store import ShardStore
 
 DEFAULT_PENDING = (2_000_000, 10_000_000)
 PRODUCERS = (1, 16, 256)
@@ -230,8 +231,13 @@ def node_durable_rate(
     machines, not tasks (as the node's shard loop, which submits the engine's batches and is
     told ``Durable``), submit through a :class:`~wal.commit.GroupCommitter`, and are handed
     their acknowledgements by one ``run_sync_soon`` per group (``on_group``). Each producer
-    still submits a one-record batch and submits its next only once that one is durable."""
+    still submits a one-record batch and submits its next only once that one is durable.
+    The collector is set as a node sets it in its own process (``Node.run``: what exists is
+    frozen, young collections every ``NODE_GC_THRESHOLDS[0]`` allocations); the process's
+    settings are restored after."""
     import trio
+
+    from cluster.node import NODE_GC_THRESHOLDS
 
     m = next(_measurements)
     counts = [0] * producers
@@ -285,7 +291,15 @@ def node_durable_rate(
         if errors:
             raise errors[0]
 
-    trio.run(main)
+    thresholds = gc.get_threshold()
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*NODE_GC_THRESHOLDS)
+    try:
+        trio.run(main)
+    finally:
+        gc.set_threshold(*thresholds)
+        gc.unfreeze()
     return sum(counts) / out["elapsed"], out["batches"] / max(out["groups"], 1)
 
 

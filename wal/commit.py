@@ -26,7 +26,8 @@ from typing import Generic, TypeVar
 
 from engine.effects import Persist
 from wal.errors import StoreClosed, StoreError, StoreIOError
-from wal.store import PreparedBatch, ShardStore
+from wal.route import PreparedBatch
+from wal.store import ShardStore
 
 log = logging.getLogger(__name__)
 

@@ -73,8 +73,8 @@ from rocksdict import (
 
 from engine.effects import Persist
 from engine.errors import EngineError
-from engine.records import ACCT_EXHAUSTED, FORMAT_VERSION, Record, check
-from engine.runs import FINAL_VALUES, IN_FLIGHT_VALUES
+from engine.records import Record
+from engine.runs import FINAL_VALUES
 from engine.snapshot import Snapshot
 from wal import codec
 from wal.errors import (
@@ -94,6 +94,23 @@ from wal.errors import (
     translate,
 )
 from wal.logs import LogLimits, LogStore, RocksLogStore
+from wal.route import BYTIME as _BYTIME
+from wal.route import EMPTY as _EMPTY
+from wal.route import HISTORY as _HISTORY
+from wal.route import INDEX as _INDEX
+from wal.route import JOBS as _JOBS
+from wal.route import LOG as _LOG
+from wal.route import LOGS as _LOGS
+from wal.route import META as _META
+from wal.route import NRUNS as _NRUNS
+from wal.route import POS as _POS
+from wal.route import RUNS as _RUNS
+from wal.route import SNAPSHOT as _SNAPSHOT
+from wal.route import UNKNOWN_AT as _UNKNOWN_AT
+from wal.route import PreparedBatch, account, route
+from wal.route import array_header as _array_header
+from wal.route import job_runs_state as _job_runs_state
+from wal.route import job_runs_value as _job_runs_value
 
 log = logging.getLogger("tickwheel.store")
 
@@ -121,43 +138,12 @@ MEMTABLE_BYTES: Final = 4 * 1024 * 1024
 #: none is kept open between pages). An entry holds a whole group (up to CommitPolicy's bytes).
 _TAIL_PAGE: Final = 256
 
-# Column family numbers, used in prepared batches instead of names.
-_LOG, _JOBS, _INDEX, _POS, _RUNS, _HISTORY, _BYTIME, _NRUNS, _LOGS, _SNAPSHOT, _META = range(11)
-
-# Count classes of a job's position and a run's state (the first byte of their stored value).
-_POS_NONE, _POS_PENDING, _POS_PAUSED, _POS_IDLE = 0, 1, 2, 3
-_RUN_OTHER, _RUN_PENDING, _RUN_IN_FLIGHT = 0, 1, 2
-_POS_BYTES: Final = tuple(bytes((c,)) for c in range(4))
-# What each class adds to the counts: (jobs, pending, paused) and (runs pending, in flight).
-_POS_COUNTS: Final = ((0, 0, 0), (1, 1, 0), (1, 0, 1), (1, 0, 0))
-_RUN_COUNTS: Final = ((0, 0), (1, 0), (0, 1))
-_RUN_BYTES: Final = tuple(bytes((c,)) for c in range(3))
-
-_EMPTY: Final = b""
-# Count deltas of a run going from class old (-1: never held, counted as other) to class new,
-# indexed [old + 1][new].
-_RUN_DELTAS: Final = tuple(
-    tuple(
-        (
-            _RUN_COUNTS[new][0] - _RUN_COUNTS[max(old, 0)][0],
-            _RUN_COUNTS[new][1] - _RUN_COUNTS[max(old, 0)][1],
-        )
-        for new in range(3)
-    )
-    for old in range(-1, 3)
-)
-_RUN_CLASS: Final = {"PENDING": _RUN_PENDING, **{s: _RUN_IN_FLIGHT for s in IN_FLIGHT_VALUES}}
-_I64_PAIR: Final = struct.Struct(">QQ")
 _U64_PACK: Final = struct.Struct(">Q").pack
-_FIXARRAY: Final = tuple(bytes((0x90 | n,)) for n in range(16))
 _FAMILY_AND_KEY: Final = operator.itemgetter(0, 1)
-_I64_OFFSET: Final = 1 << 63
 #: Entries each of the store's write caches (position classes, run classes, per-job run count
 #: and newest run time) may hold before it is emptied: a few MB per shard, enough for every key
 #: a busy shard touches between a run's creation and its end.
 CACHE_ENTRIES: Final = 1 << 16
-#: A job whose newest stored run time is unknown (an ``nruns`` value of an older version).
-_UNKNOWN_AT: Final = codec.I64_MAX
 
 
 @dataclass(frozen=True)
@@ -261,21 +247,6 @@ class RetentionReport:
     kept_recent: int = 0
     ranges: int = 0
     more: bool = False
-
-
-@dataclass(slots=True)
-class PreparedBatch:
-    """A batch checked and encoded, ready for :meth:`ShardStore.write_prepared`. Built by
-    :meth:`ShardStore.prepare` in the caller's thread, so that a bad batch fails its own caller
-    and the writer only copies bytes."""
-
-    batch_id: int
-    epoch: int
-    log_value: bytes
-    puts: list[tuple[int, bytes, bytes]]  # (column family, key, value)
-    pos: list[tuple[bytes, int]]  # (pos key, class)
-    runs: list[tuple[bytes, int, int, int]]  # (run key, class, job key, scheduled ms)
-    size: int
 
 
 class ShardStore:
@@ -568,71 +539,7 @@ class ShardStore:
         packer: msgpack.Packer | None = getattr(self._packers, "packer", None)
         if packer is None:
             packer = self._packers.packer = msgpack.Packer(use_bin_type=True)
-        pack = packer.pack
-        records = batch.records
-        puts: list[tuple[int, bytes, bytes]] = []
-        pos: list[tuple[bytes, int]] = []
-        runs: list[tuple[bytes, int, int, int]] = []
-        if len(records) == 1 and check(records[0])["t"] == "run":
-            # The commonest batch (a claim, a start, an end, one fire's run): no loop, no list
-            # of encodings.
-            record = records[0]
-            data = pack(record)
-            _route_run(record, data, puts, runs)
-            log_value = b"".join((b"\x93", pack(batch.batch_id), pack(batch.epoch), b"\x91", data))
-            return PreparedBatch(
-                batch.batch_id, batch.epoch, log_value, puts, pos, runs, 2 * len(log_value)
-            )
-        encoded: list[bytes] = []
-        # Runs a later record of this batch writes again (a fired run claimed in its fire's
-        # batch, the usual case under load): their PENDING row would be overwritten in the
-        # same atomic write, so it is not made at all. The log keeps every record.
-        rewritten: dict[tuple[int, int], int] | None = None
-        for index, record in enumerate(records):
-            check(record)
-            data = pack(record)
-            encoded.append(data)
-            kind = record["t"]
-            if kind == "run":
-                _route_run(record, data, puts, runs)
-            elif kind == "pos":
-                _route_pos(record, data, puts, pos)
-            elif kind == "fire":
-                # Many fires in one compact record: the log keeps it as it is; the query
-                # families get the run and position records it stands for.
-                if rewritten is None:
-                    rewritten = {
-                        (r["key"], r["at"]): i for i, r in enumerate(records) if r["t"] == "run"
-                    }
-                _route_fire(record, index, rewritten, pack, puts, runs, pos)
-            elif kind == "job":
-                _route_job(record, data, pack, puts)
-            elif kind == "skip" or kind == "note":
-                key = record["key"]
-                when = record["lo"] if kind == "skip" else record["at"]
-                hk = b"".join(
-                    (
-                        codec.i64(key),
-                        codec.i64(when),
-                        codec.u64(batch.epoch),
-                        codec.u64(batch.batch_id),
-                        codec.u32(index),
-                    )
-                )
-                puts.append((_HISTORY, hk, data))
-                puts.append((_BYTIME, codec.i64(when) + codec.i64(key), _EMPTY))
-            # Other kinds (out, outdone, dep, epoch) live in the log only: the engine folds
-            # them on recovery; no query reads them.
-        # The log value is msgpack [batch id, epoch, [records]], assembled from the records'
-        # bytes already encoded above instead of encoding every record twice.
-        n = len(encoded)
-        header = _array_header(n)
-        log_value = b"".join((b"\x93", pack(batch.batch_id), pack(batch.epoch), header, *encoded))
-        # The size bounds a group's memory (CommitPolicy.max_bytes): the routed copies are
-        # about as large as the log value again.
-        return PreparedBatch(
-            batch.batch_id, batch.epoch, log_value, puts, pos, runs, 2 * len(log_value)
-        )
+        return route(batch, packer.pack)
 
     def write(self, batches: Sequence[Persist]) -> list[int]:
         """Store ``batches`` in ONE atomic RocksDB write with ONE fsync; return each batch's log
@@ -711,107 +618,25 @@ class ShardStore:
         self, wb: WriteBatch, prepared: Sequence[PreparedBatch], counts: list[int]
     ) -> set[int]:
         """Update ``counts`` for what the group changes, adding per-job run counts and the
-        time index of new runs to ``wb``; the jobs given new runs.
-
-        What a key held before comes from the write caches, else — a run scheduled after the
-        newest its job ever stored was never held — from one multi-get per family for the keys
-        left. The caches are updated as the group goes (a key written twice in the group sees
-        its earlier value there); :meth:`write_prepared` forgets them all if the group is not
-        written. O(records)."""
+        time index of new runs to ``wb``; the jobs given new runs (:func:`wal.route.account`,
+        on the write caches, which are emptied first when one grew past its bound;
+        :meth:`write_prepared` forgets them all if the group is not written). O(records)."""
         if len(self._pos_cls) > CACHE_ENTRIES:
             self._pos_cls = {}
         if len(self._run_cls) > CACHE_ENTRIES:
             self._run_cls = {}
         if len(self._job_runs) > CACHE_ENTRIES:
             self._job_runs = {}
-        for p in prepared:
-            if p.pos:
-                self._account_pos(p.pos, counts)
-        runs = [e for p in prepared if p.runs for e in p.runs]
-        added: set[int] = set()
-        if not runs:
-            return added
-        jobs = self._job_runs
-        missing = [job for _rk, _cls, job, _at in runs if job not in jobs]
-        if missing:
-            missing = list(dict.fromkeys(missing))
-            stored = self._multiget(self._cf[_NRUNS], [codec.i64(j) for j in missing])
-            for job, raw in zip(missing, stored, strict=True):
-                # nruns is written with a job's first run, in the same atomic write: no value,
-                # no run ever stored. A value without the time (an older version's): unknown.
-                if raw is None:
-                    jobs[job] = [0, codec.I64_MIN, 0]
-                else:
-                    jobs[job] = _job_runs_state(raw)
-        run_cls = self._run_cls
-        new_runs: list[bytes] = []
-        unindexed: list[bytes] = []  # former newest runs retention left out of the time index
-        unread: list[tuple[bytes, int, list[int], int]] = []
-        for rk, cls, job, at in runs:
-            state = jobs[job]
-            if at > state[1]:  # after every run the job ever stored: never held
-                if state[2]:
-                    # The newest run until now, which an age pass kept out of the time index
-                    # (it is never deleted while newest), no longer is: index it again, so the
-                    # pass that finds it past the cutoff deletes it.
-                    unindexed.append(_I64_PAIR.pack(job + _I64_OFFSET, state[1] + _I64_OFFSET))
-                    state[2] = 0
-                state[1] = at
-                state[0] += 1
-                added.add(job)
-                new_runs.append(rk)
-                if cls:  # (other = 0 counts nothing)
-                    delta = _RUN_DELTAS[0][cls]
-                    counts[3] += delta[0]
-                    counts[4] += delta[1]
-            else:
-                old = run_cls.get(rk)
-                if old is None:  # read below; a later write of the key sees cls
-                    unread.append((rk, cls, state, job))
-                elif old != cls:
-                    delta = _RUN_DELTAS[old + 1][cls]
-                    counts[3] += delta[0]
-                    counts[4] += delta[1]
-            run_cls[rk] = cls
-        if unread:
-            stored = self._multiget(self._cf[_RUNS], [rk for rk, _, _, _ in unread])
-            for (rk, cls, state, job), raw in zip(unread, stored, strict=True):
-                old = -1 if raw is None else raw[0]
-                if old == -1:  # never held (or deleted by retention): index and count it
-                    state[0] += 1
-                    added.add(job)
-                    new_runs.append(rk)
-                if old != cls:
-                    delta = _RUN_DELTAS[old + 1][cls]
-                    counts[3] += delta[0]
-                    counts[4] += delta[1]
-        put = wb.put
-        bytime = self._h[_BYTIME]
-        if unindexed:
-            new_runs.extend(unindexed)
-        for tk in sorted([rk[8:16] + rk[:8] for rk in new_runs]):  # (in key order: see above)
-            put(tk, _EMPTY, bytime)
-        nruns = self._h[_NRUNS]
-        i64 = codec.i64
-        for job in sorted(added):
-            put(i64(job), _job_runs_value(*jobs[job]), nruns)
+        added, rows = account(
+            list(prepared), counts, self._pos_cls, self._run_cls, self._job_runs, self._read_family
+        )
+        put, h = wb.put, self._h
+        for cf, k, v in rows:
+            put(k, v, h[cf])
         return added
 
-    def _account_pos(self, entries: list[tuple[bytes, int]], counts: list[int]) -> None:
-        cache = self._pos_cls
-        missing = [k for k, _ in entries if k not in cache]
-        if missing:
-            stored = self._multiget(self._cf[_POS], missing)
-            for k, raw in zip(missing, stored, strict=True):
-                cache[k] = _POS_NONE if raw is None else raw[0]  # never held: nothing
-        for k, cls in entries:
-            old = cache[k]
-            if old != cls:
-                was, now = _POS_COUNTS[old], _POS_COUNTS[cls]
-                counts[0] += now[0] - was[0]
-                counts[1] += now[1] - was[1]
-                counts[2] += now[2] - was[2]
-                cache[k] = cls
+    def _read_family(self, family: int, keys: list[bytes]) -> list[bytes | None]:
+        return self._multiget(self._cf[family], keys)
 
     def _forget(self) -> None:
         """Empty the write caches (they may hold what a group that failed would have left)."""
@@ -1550,180 +1375,6 @@ def _job_ticket_fields(raw: bytes) -> tuple[int, str, Any]:
 
 
 _MISSING: Final = object()
-
-
-def _job_runs_state(raw: bytes) -> list[int]:
-    """``[runs stored, newest run time ever stored, 1 if that run is out of the time index]``
-    of a job's ``nruns`` value (the time unknown in values of older versions)."""
-    if len(raw) < 16:
-        return [codec.read_u64(raw), _UNKNOWN_AT, 0]
-    return [codec.read_u64(raw), codec.read_i64(raw, 8), int(raw[16:17] == b"\x01")]
-
-
-def _job_runs_value(n: int, newest: int, unindexed: int) -> bytes:
-    """The ``nruns`` value of :func:`_job_runs_state`'s fields."""
-    if newest == _UNKNOWN_AT:
-        return codec.u64(n)
-    value = _I64_PAIR.pack(n, newest + _I64_OFFSET)
-    return value + b"\x01" if unindexed else value
-
-
-def _array_header(n: int) -> bytes:
-    """The msgpack header of an array of ``n`` items."""
-    if n < 16:
-        return _FIXARRAY[n]
-    if n < 1 << 16:
-        return b"\xdc" + n.to_bytes(2, "big")
-    return b"\xdd" + n.to_bytes(4, "big")
-
-
-def _route_run(
-    record: Record,
-    data: bytes,
-    puts: list[tuple[int, bytes, bytes]],
-    runs: list[tuple[bytes, int, int, int]],
-) -> None:
-    key, at = record["key"], record["at"]
-    rk = _I64_PAIR.pack(key + _I64_OFFSET, at + _I64_OFFSET)
-    cls = _RUN_CLASS.get(record["state"], _RUN_OTHER)
-    puts.append((_RUNS, rk, _RUN_BYTES[cls] + data))
-    runs.append((rk, cls, key, at))
-
-
-def _fire_templates() -> tuple[bytes, ...]:
-    """The constant stretches of the msgpack maps :func:`engine.records.expand` makes of a
-    fire (a PENDING ``run`` record and a ``pos`` record per fire), so that routing a fire
-    packs only its numbers; the bytes are the same as packing those records (tested)."""
-    p = msgpack.Packer(use_bin_type=True).pack
-
-    def pairs(*items: Any) -> bytes:
-        return b"".join(p(item) for item in items)
-
-    head = pairs("t", "run", "v", FORMAT_VERSION, "key")
-    mid = pairs("state", "PENDING", "att", 1, "tok", 0, "w", None, "ver")
-    tail = pairs("due", None, "fail", 0, "tmo", 0, "src", None, "exit", None, "why", None)
-    pos_head = pairs("t", "pos", "v", FORMAT_VERSION, "key")
-    pos_tail = pairs("paused", False, "gone", False, "why", "catchup")
-    return head, p("at"), mid, tail, pos_head, p("next"), p("acct"), pos_tail, p("e")
-
-
-(
-    _RUN_HEAD,
-    _AT,
-    _RUN_MID,
-    _RUN_TAIL,
-    _POS_HEAD,
-    _NEXT,
-    _ACCT,
-    _POS_TAIL,
-    _EPOCH_KEY,
-) = _fire_templates()
-# Map headers: 15 / 8 entries, and 16 / 9 with the epoch stamp.
-_RUN_MAP: Final = (b"\x8f", b"\xde\x00\x10")
-_POS_MAP: Final = (b"\x88", b"\x89")
-
-
-def _route_fire(
-    record: Record,
-    index: int,
-    rewritten: dict[tuple[int, int], int],
-    pack: Any,
-    puts: list[tuple[int, bytes, bytes]],
-    runs: list[tuple[bytes, int, int, int]],
-    pos: list[tuple[bytes, int]],
-) -> None:
-    """Route a compact ``fire`` record as :func:`engine.records.expand`'s records would be
-    (same keys, same bytes), from its arrays, without making them; a run that a later record
-    of the batch (``rewritten``: run -> index of its last record) writes again gets no row."""
-    epoch = record.get("e")
-    stamped = epoch is not None
-    stamp = _EPOCH_KEY + pack(epoch) if stamped else b""
-    run_map, pos_map = _RUN_MAP[stamped], _POS_MAP[stamped]
-    pending = _RUN_BYTES[_RUN_PENDING]
-    for key, at, ver, nxt in zip(
-        record["keys"], record["ats"], record["vers"], record["next"], strict=True
-    ):
-        if rewritten.get((key, at), -1) <= index:
-            rk = _I64_PAIR.pack(key + _I64_OFFSET, at + _I64_OFFSET)
-            data = b"".join(
-                (
-                    run_map,
-                    _RUN_HEAD,
-                    pack(key),
-                    _AT,
-                    pack(at),
-                    _RUN_MID,
-                    pack(ver),
-                    _RUN_TAIL,
-                    stamp,
-                )
-            )
-            puts.append((_RUNS, rk, pending + data))
-            runs.append((rk, _RUN_PENDING, key, at))
-        acct = ACCT_EXHAUSTED if nxt is None else nxt - 1
-        cls = _POS_IDLE if nxt is None else _POS_PENDING
-        data = b"".join(
-            (pos_map, _POS_HEAD, pack(key), _NEXT, pack(nxt), _ACCT, pack(acct), _POS_TAIL, stamp)
-        )
-        pk = codec.i64(key)
-        puts.append((_POS, pk, _POS_BYTES[cls] + data))
-        pos.append((pk, cls))
-
-
-#: A job record's keys in the order the engine makes them: its spec then sits at a known place
-#: in its encoding (see _route_job).
-_JOB_RECORD_KEYS: Final = ("t", "v", "key", "id", "ver", "spec", "e")
-_SPEC_KEY: Final = b"\xa4spec"
-#: The bytes of a job record before its spec, besides the values of v, key, id and ver: the
-#: map header and the pairs' keys, and "t": "job" (1 + 2 + 4 + 2 + 4 + 3 + 4).
-_JOB_PREFIX_BYTES: Final = 20
-
-
-def _route_job(
-    record: Record, data: bytes, pack: Any, puts: list[tuple[int, bytes, bytes]]
-) -> None:
-    """The ``jobs`` row ``[version, spec, id]`` and the ``index`` row of a job record whose
-    encoding is ``data``. The spec's bytes are taken from ``data`` rather than encoded a second
-    time (a spec is most of a create's bytes): in the engine's key order the spec is the
-    value between the ``spec`` key and the trailing ``e`` pair, whose sizes are known. Any
-    other layout encodes the row from the record, with the same bytes."""
-    key, job_id, version = record["key"], record["id"], record["ver"]
-    if not isinstance(job_id, str):
-        raise InvalidBatch(f"job record of key {key} has a non-str id {job_id!r}")
-    packed_id, packed_version = pack(job_id), pack(version)
-    spec: bytes | None = None
-    if tuple(record) == _JOB_RECORD_KEYS and data[0] == 0x87:  # (0x87: a map of 7)
-        start = (
-            _JOB_PREFIX_BYTES
-            + len(pack(record["v"]))
-            + len(pack(key))
-            + len(packed_id)
-            + len(packed_version)
-        )
-        tail = _EPOCH_KEY + pack(record["e"])
-        if data.startswith(_SPEC_KEY, start) and data.endswith(tail):
-            spec = data[start + len(_SPEC_KEY) : len(data) - len(tail)]
-    if spec is None:
-        spec = pack(record["spec"])
-    jk = codec.i64(key)
-    puts.append((_JOBS, jk, b"".join((b"\x93", packed_version, spec, packed_id))))
-    puts.append((_INDEX, job_id.encode(), jk))
-
-
-def _route_pos(
-    record: Record, data: bytes, puts: list[tuple[int, bytes, bytes]], pos: list[tuple[bytes, int]]
-) -> None:
-    pk = codec.i64(record["key"])
-    if record.get("gone"):
-        cls = _POS_NONE
-    elif record.get("paused"):
-        cls = _POS_PAUSED
-    elif record.get("next") is not None:
-        cls = _POS_PENDING
-    else:
-        cls = _POS_IDLE
-    puts.append((_POS, pk, _POS_BYTES[cls] + data))
-    pos.append((pk, cls))
 
 
 def _bound(key: int, at: int) -> bytes:

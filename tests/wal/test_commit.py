@@ -13,7 +13,8 @@ from engine.effects import Persist
 from tests.wal.records import T0, batch, created, run
 from wal.commit import CommitPolicy, CommitQueue, GroupCommitter, Ticket
 from wal.errors import StaleEpoch, StoreClosed, StoreError, StoreFailure
-from wal.store import PreparedBatch, ShardStore
+from wal.route import PreparedBatch
+from wal.store import ShardStore
 
 # ------------------------------------------------------------------------- the pure policy
 
