@@ -229,15 +229,22 @@ def node_durable_rate(
 ) -> tuple[float, float]:
     """:func:`durable_rate` in the node's pattern: the producers live in a Trio loop as state
     machines, not tasks (as the node's shard loop, which submits the engine's batches and is
-    told ``Durable``), submit through a :class:`~wal.commit.GroupCommitter`, and are handed
-    their acknowledgements by one ``run_sync_soon`` per group (``on_group``). Each producer
-    still submits a one-record batch and submits its next only once that one is durable.
+    told ``Durable``), submit through a :class:`~wal.commit.GroupCommitter` without waking its
+    writer, and an instrument does as the node's kicker (``cluster.node._Kicker``) as the loop
+    is about to wait for I/O: with nothing runnable and the disk fast
+    (``INLINE_COMMIT_MAX_WRITE_S``), it writes what is queued on the loop's own thread
+    (``write_here``) and works the acknowledgements through there; else it wakes the writer,
+    which hands each group's acknowledgements back by one ``run_sync_soon`` (``on_group``).
+    New batches queued by acknowledgements worked through in the instrument end the loop's
+    coming wait for I/O at once, as the next requests of the node's clients would. Each
+    producer still submits a one-record batch and submits its next only once that one is
+    durable.
     The collector is set as a node sets it in its own process (``Node.run``: what exists is
     frozen, young collections every ``NODE_GC_THRESHOLDS[0]`` allocations); the process's
     settings are restored after."""
     import trio
 
-    from cluster.node import NODE_GC_THRESHOLDS
+    from cluster.node import INLINE_COMMIT_MAX_WRITE_S, NODE_GC_THRESHOLDS
 
     m = next(_measurements)
     counts = [0] * producers
@@ -251,9 +258,13 @@ def node_durable_rate(
         end = [0.0]
         errors: list[BaseException] = []
 
+        handed = [0, 0]  # groups handed to the loop by the writer thread, and taken there
+        queued = [False]  # batches wait without a wake-up
+
         def on_group(tickets: Sequence[Ticket]) -> None:  # on the writer thread
+            handed[0] += 1
             try:
-                token.run_sync_soon(committed, tickets)
+                token.run_sync_soon(committed_handed, tickets)
             except trio.RunFinishedError:
                 pass
 
@@ -262,7 +273,31 @@ def node_durable_rate(
 
         def produce(p: int) -> None:
             n = counts[p]
-            submit(Persist(_batch_id(m, p, n), epoch, (_producer_run(m, p, n),)))
+            submit(Persist(_batch_id(m, p, n), epoch, (_producer_run(m, p, n),)), wake=False)
+            queued[0] = True
+
+        class Kicker(trio.abc.Instrument):
+            def before_io_wait(self, timeout: float) -> None:
+                if not queued[0]:
+                    return
+                queued[0] = False
+                if timeout > 0 and committer.recent_write_s <= INLINE_COMMIT_MAX_WRITE_S:
+                    tickets = committer.write_here()
+                    if tickets:
+                        if handed[0] != handed[1]:  # behind a group still in Trio's queue
+                            token.run_sync_soon(committed, tickets)
+                        else:
+                            committed(tickets)
+                        if queued[0] or trio.lowlevel.current_statistics().tasks_runnable:
+                            token.run_sync_soon(_nothing)
+                        return
+                    if tickets is not None:
+                        return  # nothing was queued
+                committer.kick()
+
+        def committed_handed(tickets: Sequence[Ticket]) -> None:
+            handed[1] += 1
+            committed(tickets)
 
         def committed(tickets: Sequence[Ticket]) -> None:  # in the loop, once per group
             now = time.perf_counter()
@@ -279,6 +314,8 @@ def node_durable_rate(
                 finished.set()
 
         groups0, batches0 = committer.groups, committer.batches
+        kicker = Kicker()
+        trio.lowlevel.add_instrument(kicker)
         start = time.perf_counter()
         end[0] = start + seconds
         for p in range(producers):
@@ -287,6 +324,7 @@ def node_durable_rate(
         out["elapsed"] = time.perf_counter() - start
         out["groups"] = committer.groups - groups0
         out["batches"] = committer.batches - batches0
+        trio.lowlevel.remove_instrument(kicker)
         await trio.to_thread.run_sync(committer.close)
         if errors:
             raise errors[0]
@@ -301,6 +339,10 @@ def node_durable_rate(
         gc.set_threshold(*thresholds)
         gc.unfreeze()
     return sum(counts) / out["elapsed"], out["batches"] / max(out["groups"], 1)
+
+
+def _nothing() -> None:
+    """Run by Trio's loop to end its wait for I/O early (see :func:`node_durable_rate`)."""
 
 
 def measure_durable(result: SuiteResult, args: argparse.Namespace, root: str) -> None:

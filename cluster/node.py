@@ -154,11 +154,13 @@ _CURSOR: Final = re.compile(r"[0-9]{1,10}:[0-9]{1,19}")
 GET_TRIES = 5
 #: the collector's thresholds of a node that owns its process (see Node.run)
 NODE_GC_THRESHOLDS: Final = (10_000, 20, 100)
-#: A lone request's batches are written on the event loop's own thread (Node.commit_here)
+#: Batches are written on the event loop's own thread (Node.commit_here)
 #: only while the shard's recent writes, fsync included, took at most this long: the longest
 #: the loop may stall for one. A slower disk costs more than the thread hand-offs it saves.
 INLINE_COMMIT_MAX_WRITE_S: Final = 0.002
-#: ... and only once this many requests in a row came alone (Node.lone_requests)
+#: A lone request (this many in a row came alone: Node.lone_requests) whose batch was queued
+#: while something was runnable is left for the next pass of the loop once (_Kicker), which
+#: then finds the loop idle and writes it there
 INLINE_COMMIT_AFTER_LONE: Final = 8
 
 
@@ -505,14 +507,15 @@ class ShardHost:
             return
         node = self.node
         try:
-            if node.in_flight <= 1 and node.kicker is not None:
-                # A lone request (or a worker's report, a fire): the writer is woken just
-                # before this thread waits for I/O (Node.kicker), not now. Woken now, it
-                # would take the GIL at this thread's next system call (the reader's epoll
-                # registration) and hold it for its own Python (the write's encoding, up to
-                # the fsync): this thread would then wait for the GIL, and on these shared
-                # cores the holder is often descheduled meanwhile (measured: waits of
-                # milliseconds, and ~4 futex calls a request in this thread).
+            if node.kicker is not None:
+                # The writer is woken just before this thread waits for I/O (Node.kicker),
+                # not now, or this thread writes the batch itself then (when nothing is left
+                # to run). Woken now, it would take the GIL at this thread's next system call
+                # (the reader's epoll registration) and hold it for its own Python (the
+                # write's encoding, up to the fsync): this thread would then wait for the
+                # GIL, and on these shared cores the holder is often descheduled meanwhile
+                # (measured: waits of milliseconds, and ~4 futex calls a request in this
+                # thread). With many requests in flight too, since 2026-12-03: see _Kicker.
                 self.committer.submit(batch, wake=False)
                 node.kicks[self] = None
             else:
@@ -1152,16 +1155,28 @@ class _Kicker(trio.abc.Instrument):
     such a wait (zero timeout when tasks are runnable), so no batch waits past the pass that
     queued it.
 
-    Or, when the loop would otherwise sleep until they are durable (nothing runnable, a lone
-    client's request the only one in flight, after :data:`INLINE_COMMIT_AFTER_LONE` such
-    requests in a row on its connection), writes them itself (:meth:`Node.commit_here`).
-    Only here, with nothing runnable: in a task (at a batch's end) the other tasks of the
-    same pass of Trio's loop are not counted as runnable, and each request read in a pass
-    was written and answered alone before the next was read: conns64 fell to one fsync per
-    create (~5,600/s), its requests all "lone". And not for a request alone only for a
-    moment among many clients' (a pass that reads two resets the count): the first of 64
-    clients' requests back would hold the other 63 behind its fsync (conns64 fell to
-    ~3,000/s)."""
+    Or, when the loop would otherwise sleep until they are durable (nothing runnable), writes
+    them itself (:meth:`Node.commit_here`), however many requests are in flight. Until
+    2026-12-03 only for a lone client's request (the only one in flight, after
+    :data:`INLINE_COMMIT_AFTER_LONE` such requests in a row on its connection); measured then
+    on one shard (a scratch harness of ``bench submit``'s modes, two runs each, alternately):
+    ``conns64`` 15,755-16,661 creates/s written here against 14,350-15,067 by the writer
+    thread (node CPU 54-59 us a create against 63-64), ``create_many`` 36,603-38,377 against
+    36,983-38,370, pipelined ``create`` 22,405-23,055 against 23,421-24,035; on two shards
+    the same either way (the batches of both shards wait at once, and those go to their
+    writers); 256 producers in lockstep on one shard (``bench store``'s ``node`` driver,
+    which does as this class does) ~14% more records a second: the loop has nothing to do
+    during the fsync of a group that every producer waits for, and the two thread hand-offs
+    are saved. A lone request whose batch is queued while something is runnable is still
+    left for the next pass once (below).
+
+    Only here, with nothing runnable: in a task (at a batch's end) the other tasks of the same
+    pass of Trio's loop are not counted as runnable, and each request read in a pass was
+    written and answered alone before the next was read: conns64 fell to one fsync per create
+    (~5,600/s), its requests all "lone". (The lone rule also kept a request alone only for a
+    moment among many clients' from being written here, because the first of 64 clients'
+    requests back then held the other 63 behind its fsync: conns64 fell to ~3,000/s. Written
+    only with nothing runnable, as now, it does not fall: figures above.)"""
 
     def __init__(self, node: Node) -> None:
         self.node = node
@@ -1172,7 +1187,7 @@ class _Kicker(trio.abc.Instrument):
         node = self.node
         if node.kicks:
             lone = node.in_flight == 1 and node.lone_requests >= INLINE_COMMIT_AFTER_LONE
-            if lone and timeout > 0:  # nothing runnable: the loop would sleep until durable
+            if timeout > 0:  # nothing runnable: the loop would sleep until durable
                 node.commit_here()
             elif lone and not self.deferred:
                 # Something is runnable (Trio orders a pass's tasks at random: the shard's
@@ -1289,8 +1304,8 @@ class Node:
         """Write the batches queued without a wake-up (:attr:`kicks`) on this thread, fsync
         included, and work their acknowledgements through at once, instead of waking the
         shard's writer thread and being woken back by it. Called by the kicker as Trio's loop
-        is about to wait for I/O with nothing runnable, when a lone client waits for them
-        (see :class:`_Kicker`): the two hand-offs cost more than the write itself here, about
+        is about to wait for I/O with nothing runnable (see :class:`_Kicker`): for a lone
+        client's create the two hand-offs cost more than the write itself here, about
         130 us of a lone create's ~650 us round trip (``single`` went from 1,305-1,417 to
         1,532-1,831 creates/s, alternately).
 
