@@ -931,15 +931,16 @@ def test_a_failed_write_on_the_loops_thread_fails_its_shard_and_answers(
     assert armed[1] == threading.main_thread().name  # written (and failed) by the loop's thread
 
 
-def test_clients_in_flight_together_are_written_by_the_writer_thread(
+def test_clients_in_flight_together_share_fsyncs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """After a lone client's run of inline writes, eight clients on connections of their own,
-    a create in flight each: their requests, read in the same passes of the loop, go to the
-    writer thread together (one fsync for many) instead of one inline write each (found by
-    measuring conns64: checked at a batch's end, every request read in a pass looked lone,
-    since Trio does not count the rest of the pass as runnable, and conns64 fell to one fsync
-    a create)."""
+    a create in flight each: their requests, read in the same passes of the loop, are written
+    together (one fsync for many; on the loop's thread or the writer's, whichever is free when
+    the loop would sleep) instead of one write each (found by measuring conns64: checked at a
+    batch's end, every request read in a pass looked lone, since Trio does not count the rest
+    of the pass as runnable, and conns64 fell to one fsync a create). Seen here: 12-17 groups
+    for the 80 creates, 26 on a loaded machine."""
     fast_disk(monkeypatch)
     clients, each = 8, 10
     here: list[int] = []
@@ -963,11 +964,10 @@ def test_clients_in_flight_together_are_written_by_the_writer_thread(
         here.append(committer.groups - groups_before)
 
     run_lone_client(tmp_path, ask)
-    inline_before, inline_after, groups = here
+    inline_before, _inline_after, groups = here
     assert inline_before >= 10
-    # A few may still come alone (the clients' first or last requests): not most of 80.
-    assert inline_after - inline_before <= 10, here
-    assert groups < clients * each, here  # the others shared fsyncs
+    # Some may still come alone (the clients' first or last requests): not most of 80.
+    assert groups <= clients * each // 2, here
 
 
 def test_two_clients_taking_turns_are_written_on_the_loops_thread_too(
