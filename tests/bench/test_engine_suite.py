@@ -39,4 +39,5 @@ def test_engine_suite_json_shape() -> None:
     assert sorted(m["mode"] for m in fires) == ["burst", "steady"]
     for m in fires:
         assert m["pending"] == 2000 and m["anchor"] == "heapq poller"
-        assert m["value"] > 0 and m["ratio"] == round(m["value"] / m["anchor_value"], 3)
+        # (the ratio of the unrounded figures: within its last place of the rounded ones')
+        assert m["value"] > 0 and abs(m["ratio"] - m["value"] / m["anchor_value"]) <= 1.5e-3
