@@ -26,6 +26,7 @@ reading it above ``OUTBOX_HIGH_WATER`` bytes queued) and closed above ``OUTBOX_H
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import logging
@@ -438,8 +439,10 @@ class ShardHost:
             wake = engine.next_wakeup_mono()
             if wake is not None and wake <= mono:
                 # Something is due: its fire records leave for the disk before the commands
-                # are worked through (a turn of hundreds of commands takes milliseconds).
-                self.route(engine.tick(wall_ms(), mono))
+                # are worked through (a turn of hundreds of commands takes milliseconds): with
+                # other requests in flight its writer is woken now, not at the end of the
+                # pass (as every batch's was with requests in flight until 2026-12-03).
+                self.route(engine.tick(wall_ms(), mono), wake_writer=self.node.in_flight > 1)
             # One engine call, one batch for everything that arrived meanwhile.
             self.route(engine.handle_many(batch, wall_ms(), mono_ms()))
         except Exception as exc:
@@ -463,12 +466,12 @@ class ShardHost:
                 except RuntimeError:  # the node is stopping: its clean stop stores one
                     log.info("shard %d: snapshot skipped, the node is stopping", self.index)
 
-    def route(self, effects: Iterable[Effect]) -> None:
+    def route(self, effects: Iterable[Effect], *, wake_writer: bool = False) -> None:
         node = self.node
         dispatched: dict[str, None] = {}  # workers given runs, in order
         for effect in effects:
             if isinstance(effect, Persist):
-                self._persist(effect)
+                self._persist(effect, wake_writer)
                 if self.failed is not None:
                     return  # the shard stopped: nothing it decided goes out any more
             elif isinstance(effect, Reply):
@@ -502,12 +505,12 @@ class ShardHost:
                     for worker_id in dispatched:
                         host.credits_changed_for(worker_id)
 
-    def _persist(self, batch: Persist) -> None:
+    def _persist(self, batch: Persist, wake_writer: bool = False) -> None:
         if self.failed is not None:
             return
         node = self.node
         try:
-            if node.kicker is not None:
+            if node.kicker is not None and not wake_writer:
                 # The writer is woken just before this thread waits for I/O (Node.kicker),
                 # not now, or this thread writes the batch itself then (when nothing is left
                 # to run). Woken now, it would take the GIL at this thread's next system call
@@ -515,7 +518,8 @@ class ShardHost:
                 # write's encoding, up to the fsync): this thread would then wait for the
                 # GIL, and on these shared cores the holder is often descheduled meanwhile
                 # (measured: waits of milliseconds, and ~4 futex calls a request in this
-                # thread). With many requests in flight too, since 2026-12-03: see _Kicker.
+                # thread). With many requests in flight too, since 2026-12-03 (see _Kicker),
+                # but for ``wake_writer``: a due fire's batch ahead of a turn's commands.
                 self.committer.submit(batch, wake=False)
                 node.kicks[self] = None
             else:
@@ -1184,6 +1188,21 @@ class _Kicker(trio.abc.Instrument):
         self.deferred = False
 
     def before_io_wait(self, timeout: float) -> None:
+        try:
+            self._before_io_wait(timeout)
+        except BaseException:
+            # Trio drops an instrument that raises (a bug here): every batch queued without a
+            # wake-up would then wait for good, and since 2026-12-03 that is every batch
+            # (found by review). The node falls back to waking writers at each submit
+            # (ShardHost._persist reads node.kicker), and wakes them all now.
+            node = self.node
+            node.kicker = None
+            for host in node.hosts:
+                with contextlib.suppress(Exception):
+                    host.committer.kick()
+            raise
+
+    def _before_io_wait(self, timeout: float) -> None:
         node = self.node
         if node.kicks:
             lone = node.in_flight == 1 and node.lone_requests >= INLINE_COMMIT_AFTER_LONE
@@ -1344,7 +1363,7 @@ class Node:
                     host._committed(tickets)  # a batch: replies written, turns made
         except Exception as exc:  # a bug
             woke = True
-            host.fail_on_bug(exc, "committing a lone request's batch")
+            host.fail_on_bug(exc, "committing its batches on the loop's thread")
         if woke and trio.lowlevel.current_statistics().tasks_runnable:
             # Trio chose how long its coming wait for I/O lasts before this ran: a task this
             # woke (a shard's loop, a task started, a request answered with a failure) must
@@ -1383,7 +1402,8 @@ class Node:
             await self._run(task_status)
         finally:
             self.kicker = None
-            trio.lowlevel.remove_instrument(kicker)
+            with contextlib.suppress(KeyError):  # (Trio dropped it if it raised)
+                trio.lowlevel.remove_instrument(kicker)
             self.kick_committers()  # (closed committers wrote everything queued anyway)
 
     async def _run(self, task_status: trio.TaskStatus[int]) -> None:

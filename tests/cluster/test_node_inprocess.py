@@ -823,6 +823,41 @@ def test_a_kick_that_fails_stops_its_shard_without_stalling_the_loop(
     assert codes == ["shard_failed"]
 
 
+def test_a_kicker_that_raises_leaves_the_writers_woken_at_each_submit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug in the kicker itself (an exception out of before_io_wait): Trio drops the
+    instrument, and every batch queued without a wake-up would wait for good. The node falls
+    back to waking the writer at each submit (found by review): the creates after it are
+    answered and stored."""
+    from cluster.node import _Kicker
+
+    armed: list[bool] = []
+    real = _Kicker._before_io_wait
+
+    def before_io_wait(self: _Kicker, timeout: float) -> None:
+        if armed and self.node.kicks:
+            armed.clear()
+            raise RuntimeError("a bug in the kicker")
+        real(self, timeout)
+
+    monkeypatch.setattr(_Kicker, "_before_io_wait", before_io_wait)
+    seen: list[object] = []
+
+    async def ask(client: Client, node: Node) -> None:
+        await client.create(lone_spec("before"))
+        armed.append(True)
+        with trio.fail_after(10):
+            for n in range(5):
+                await client.create(lone_spec(f"after-{n}"))
+            seen.append(node.kicker)
+            for name in ["before"] + [f"after-{n}" for n in range(5)]:
+                assert (await client.get(name))["job_id"] == name
+
+    run_lone_client(tmp_path, ask)
+    assert seen == [None] and not armed  # it raised once, and the node went on without it
+
+
 def writer_thread_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every write on the committer's writer thread, never on the loop's (Node.commit_here):
     for a test whose write waits for something the loop must do meanwhile."""
