@@ -244,7 +244,7 @@ def node_durable_rate(
     settings are restored after."""
     import trio
 
-    from cluster.node import INLINE_COMMIT_MAX_WRITE_S, NODE_GC_THRESHOLDS
+    from cluster.node import INLINE_COMMIT_MAX_WRITE_S, NODE_GC_THRESHOLDS, _nothing
 
     m = next(_measurements)
     counts = [0] * producers
@@ -339,10 +339,6 @@ def node_durable_rate(
         gc.set_threshold(*thresholds)
         gc.unfreeze()
     return sum(counts) / out["elapsed"], out["batches"] / max(out["groups"], 1)
-
-
-def _nothing() -> None:
-    """Run by Trio's loop to end its wait for I/O early (see :func:`node_durable_rate`)."""
 
 
 def measure_durable(result: SuiteResult, args: argparse.Namespace, root: str) -> None:

@@ -1194,12 +1194,9 @@ class _Kicker(trio.abc.Instrument):
             # Trio drops an instrument that raises (a bug here): every batch queued without a
             # wake-up would then wait for good, and since 2026-12-03 that is every batch
             # (found by review). The node falls back to waking writers at each submit
-            # (ShardHost._persist reads node.kicker), and wakes them all now.
-            node = self.node
-            node.kicker = None
-            for host in node.hosts:
-                with contextlib.suppress(Exception):
-                    host.committer.kick()
+            # (ShardHost._persist reads node.kicker), and wakes those with batches waiting.
+            self.node.kicker = None
+            self.node.kick_committers()
             raise
 
     def _before_io_wait(self, timeout: float) -> None:

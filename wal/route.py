@@ -23,6 +23,8 @@ import msgpack
 from engine.effects import Persist
 from engine.records import ACCT_EXHAUSTED, FORMAT_VERSION, Record, check
 from engine.runs import IN_FLIGHT_VALUES
+from wal import codec
+from wal.codec import i64
 from wal.errors import InvalidBatch
 
 # Column family numbers (indexes into wal.store.COLUMN_FAMILIES), used in prepared batches
@@ -37,9 +39,7 @@ RUN_BYTES: Final = tuple(bytes((c,)) for c in range(3))
 RUN_CLASS: Final = {"PENDING": RUN_PENDING, **{s: RUN_IN_FLIGHT for s in IN_FLIGHT_VALUES}}
 EMPTY: Final = b""
 
-_I64_PAIR: Final = struct.Struct(">QQ")
-_U64: Final = struct.Struct(">Q")
-_U32: Final = struct.Struct(">I")
+_I64_PAIR: Final = struct.Struct(">QQ")  # a run's key: job key and time, as two codec.i64
 _I64_OFFSET: Final = 1 << 63
 _FIXARRAY: Final = tuple(bytes((0x90 | n,)) for n in range(16))
 
@@ -78,11 +78,6 @@ class PreparedBatch:
             f"PreparedBatch(batch_id={self.batch_id}, epoch={self.epoch}, "
             f"{len(self.puts)} rows, {len(self.log_value)} log bytes)"
         )
-
-
-def i64(value: int) -> bytes:
-    """8 bytes of a signed 64-bit ``value`` that sort as the numbers do (as ``wal.codec``)."""
-    return _U64.pack(value + _I64_OFFSET)
 
 
 def route(batch: Persist, pack: Pack) -> PreparedBatch:
@@ -137,9 +132,9 @@ def route(batch: Persist, pack: Pack) -> PreparedBatch:
                 (
                     i64(key),
                     i64(when),
-                    _U64.pack(batch.epoch),
-                    _U64.pack(batch.batch_id),
-                    _U32.pack(index),
+                    codec.u64(batch.epoch),
+                    codec.u64(batch.batch_id),
+                    codec.u32(index),
                 )
             )
             puts.append((HISTORY, hk, data))
@@ -326,7 +321,7 @@ _RUN_DELTAS: Final = tuple(
     for old in range(-1, 3)
 )
 #: A job whose newest stored run time is unknown (an ``nruns`` value of an older version).
-UNKNOWN_AT: Final = (1 << 63) - 1
+UNKNOWN_AT: Final = codec.I64_MAX
 
 #: reads the stored values of keys of one family (a multi-get): (family, keys) -> values
 Read = Callable[[int, list[bytes]], list[bytes | None]]
@@ -336,15 +331,14 @@ def job_runs_state(raw: bytes) -> list[int]:
     """``[runs stored, newest run time ever stored, 1 if that run is out of the time index]``
     of a job's ``nruns`` value (the time unknown in values of older versions)."""
     if len(raw) < 16:
-        return [_U64.unpack_from(raw, 0)[0], UNKNOWN_AT, 0]
-    n, newest = _I64_PAIR.unpack_from(raw, 0)
-    return [n, newest - _I64_OFFSET, int(raw[16:17] == b"\x01")]
+        return [codec.read_u64(raw), UNKNOWN_AT, 0]
+    return [codec.read_u64(raw), codec.read_i64(raw, 8), int(raw[16:17] == b"\x01")]
 
 
 def job_runs_value(n: int, newest: int, unindexed: int) -> bytes:
     """The ``nruns`` value of :func:`job_runs_state`'s fields."""
     if newest == UNKNOWN_AT:
-        return _U64.pack(n)
+        return codec.u64(n)
     value = _I64_PAIR.pack(n, newest + _I64_OFFSET)
     return value + b"\x01" if unindexed else value
 
@@ -383,7 +377,7 @@ def account(
             # nruns is written with a job's first run, in the same atomic write: no value,
             # no run ever stored. A value without the time (an older version's): unknown.
             if raw is None:
-                job_runs[job] = [0, -(1 << 63), 0]
+                job_runs[job] = [0, codec.I64_MIN, 0]
             else:
                 job_runs[job] = job_runs_state(raw)
     new_runs: list[bytes] = []
