@@ -229,7 +229,9 @@ def test_the_container_is_removed_before_anything_waits_for_the_node(
 
     async def out(stream: str, data: bytes) -> None:
         if b"stopped (timed out" in data or b"cannot remove" in data:
-            gone.append(not alive(container_pid(state, t)))
+            # (wait_dead: a SIGKILLed process is not gone the instant ``kill`` returns; a
+            # removal held behind this notice leaves it running for the whole wait)
+            gone.append(wait_dead(container_pid(state, t)))
             await trio.sleep_forever()  # the node is down
 
     async def main() -> None:
