@@ -95,7 +95,9 @@ class Guard:
         pass
 
     def done(self, key: int) -> None:
-        self.done_while_alive.append(alive(container_pid(self.state, self.ticket)))
+        # (wait_dead, not alive: a container ``rm -f`` just SIGKILLed may not be gone yet;
+        # this blocks the loop, so a removal still to come cannot happen meanwhile)
+        self.done_while_alive.append(not wait_dead(container_pid(self.state, self.ticket)))
 
 
 def container_pid(state: Path, t: RunTicket) -> int:
