@@ -19,6 +19,9 @@ def test_wheel_suite_json_shape() -> None:
     data = json.loads(out)
     assert data["suite"] == "wheel"
     assert {"cpu", "cores", "python", "numpy"} <= set(data["machine"])
+    # The host's speed as the suite ended, beside the figures (bench.common.host_probe_ns).
+    probe = data["machine"]["python_probe_ns"]
+    assert isinstance(probe, int | float) and 10 < probe < 10_000_000
     by_name: dict[str, list[dict[str, object]]] = {}
     for metric in data["metrics"]:
         assert {"name", "value", "unit", "pending"} <= set(metric)
