@@ -350,6 +350,7 @@ def account(
     run_cls: dict[bytes, int],
     job_runs: dict[int, list[int]],
     read: Read,
+    pos_held_max: bytes = b"\xff" * 9,
 ) -> tuple[set[int], Rows]:
     """What a group changes in the shard's counts (added to ``counts``), the rows that keep
     the per-job run counts and the time index of new runs, in key order, and the jobs given
@@ -357,13 +358,16 @@ def account(
 
     What a key held before comes from the write caches (``pos_cls``, ``run_cls``,
     ``job_runs``: what the store wrote last, exact because it is the directory's only
-    writer), else — a run scheduled after the newest its job ever stored was never held —
-    from one ``read`` per family for the keys left. The caches are updated as the group goes
-    (a key written twice in the group sees its earlier value there); a caller whose write then
-    fails must forget them. O(records)."""
+    writer), else — a run scheduled after the newest its job ever stored, or a position key
+    above ``pos_held_max`` (at least every position key ever stored: the engine's job keys
+    only grow, so a new job's is above it), was never held — from one ``read`` per family
+    for the keys left. The default ``pos_held_max`` (above every key) reads every position
+    the caches miss. The caches are updated as the group goes (a key written twice in the
+    group sees its earlier value there); a caller whose write then fails must forget them.
+    O(records)."""
     for p in prepared:
         if p.pos:
-            _account_pos(p.pos, counts, pos_cls, read)
+            _account_pos(p.pos, counts, pos_cls, read, pos_held_max)
     runs = [e for p in prepared if p.runs for e in p.runs]
     added: set[int] = set()
     rows: Rows = []
@@ -434,9 +438,19 @@ def account(
 
 
 def _account_pos(
-    entries: list[tuple[bytes, int]], counts: list[int], cache: dict[bytes, int], read: Read
+    entries: list[tuple[bytes, int]],
+    counts: list[int],
+    cache: dict[bytes, int],
+    read: Read,
+    held_max: bytes,
 ) -> None:
-    missing = [k for k, _ in entries if k not in cache]
+    missing: list[bytes] = []
+    for k, _ in entries:
+        if k not in cache:
+            if k > held_max:  # (a new job's: never stored, no read)
+                cache[k] = POS_NONE
+            else:
+                missing.append(k)
     if missing:
         stored = read(POS, missing)
         for k, raw in zip(missing, stored, strict=True):

@@ -304,6 +304,10 @@ class ShardStore:
         self._pos_cls: dict[bytes, int] = {}
         self._run_cls: dict[bytes, int] = {}
         self._job_runs: dict[int, list[int]] = {}
+        #: at least every key the positions family ever held (its last key at open, raised by
+        #: every write): a position above it was never stored, so a new job's needs no read
+        #: for the counts (wal.route.account). Above every key until the store is open.
+        self._pos_held_max = b"\xff" * 9
         # A msgpack Packer keeps a buffer between calls: one per thread (prepare() runs in every
         # producer's thread).
         self._packers = threading.local()
@@ -358,6 +362,7 @@ class ShardStore:
             self._h = [self._db.get_column_family_handle(n) for n in COLUMN_FAMILIES]
             self._check_meta_and_fence(shard, shards, epoch)
             self._last_seq, self._snapshot_seq = self._find_positions()
+            self._pos_held_max = self._last_key(self._cf[_POS]) or b""
             # A snapshot file a crash left before its ingest (its write holds the lock we now
             # hold, so none is being written): never read, it only took disk for good.
             for name in os.listdir(where):
@@ -610,6 +615,9 @@ class ShardStore:
                 raise
             self._last_seq = seq
             self._counts = counts
+            top = max((k for p in prepared if p.pos for k, _ in p.pos), default=b"")
+            if top > self._pos_held_max:
+                self._pos_held_max = top
             if added:
                 self._touched.update(added)
             return list(range(first, seq + 1))
@@ -628,7 +636,13 @@ class ShardStore:
         if len(self._job_runs) > CACHE_ENTRIES:
             self._job_runs = {}
         added, rows = account(
-            list(prepared), counts, self._pos_cls, self._run_cls, self._job_runs, self._read_family
+            list(prepared),
+            counts,
+            self._pos_cls,
+            self._run_cls,
+            self._job_runs,
+            self._read_family,
+            self._pos_held_max,
         )
         put, h = wb.put, self._h
         for cf, k, v in rows:

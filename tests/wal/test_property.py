@@ -12,6 +12,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+import wal.store as wal_store
 from engine.effects import Persist
 from engine.records import Record
 from tests.wal.records import job, note, pos, run, skip
@@ -159,5 +160,26 @@ class StoreMachine(RuleBasedStateMachine):
         )
 
 
+class UncachedStoreMachine(StoreMachine):
+    """The same with the store's write caches emptied before every group: every count then
+    rests on what the store reads back, and on its high mark of the positions it ever held (a
+    position above it, a new job's, is not read)."""
+
+    def __init__(self) -> None:
+        self.cache_entries = wal_store.CACHE_ENTRIES
+        wal_store.CACHE_ENTRIES = 0  # (emptied whenever they hold anything)
+        super().__init__()
+
+    def teardown(self) -> None:
+        try:
+            super().teardown()
+        finally:
+            wal_store.CACHE_ENTRIES = self.cache_entries
+
+
 StoreMachine.TestCase.settings = settings(max_examples=20, stateful_step_count=8, deadline=None)
 TestStoreMachine = StoreMachine.TestCase
+UncachedStoreMachine.TestCase.settings = settings(
+    max_examples=20, stateful_step_count=8, deadline=None
+)
+TestUncachedStoreMachine = UncachedStoreMachine.TestCase
