@@ -27,7 +27,10 @@ from engine.effects import RunTicket
 
 pytestmark = pytest.mark.timeout(60)
 
-LEASE_MS = 1_000  # the worker fences 500 ms after the last acknowledged send
+#: the worker fences 1 s after the last acknowledged send (max(lease - 2 s, lease / 2)): the
+#: handler's 0.3 s after a dispatch 0.2 s ahead of the hello's answer leaves 0.7 s of it for a
+#: loaded machine's stalls (with 1 s of lease, 0.2 s)
+LEASE_MS = 2_000
 
 
 def dispatch(run_id: str) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from tests.cluster.procs import NodeProc, WorkerProc, in_s, wait_until, with_client
-from tests.cluster.test_runner import alive
+from tests.cluster.test_runner import wait_dead
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -49,7 +49,9 @@ def test_a_frozen_workers_tasks_are_killed_by_its_guard_and_it_carries_on(tmp_pa
         pidfile.unlink()
         os.kill(worker.proc.pid, signal.SIGSTOP)  # the worker process only, not its guard
         time.sleep(3.0)  # three leases: the guard's deadline (0.75 s after the last ack) passed
-        still = alive(task_pids[0])
+        # (and waits on, the worker still stopped: a SIGKILLed task is not gone the instant
+        # the guard's kill returns, and a loaded machine may run the guard late)
+        still = not wait_dead(task_pids[0], within_s=10)
         os.kill(worker.proc.pid, signal.SIGCONT)
         assert not still, f"3 s into a 1 s lease, attempt 1 (pid {task_pids[0]}) still runs"
         # The worker runs again: it finds its task gone, says hello, and takes attempt 2.

@@ -93,7 +93,10 @@ def test_a_job_goes_from_submit_to_its_logs(tmp_path: Path, node: NodeProc) -> N
         worker.terminate()
 
 
-def test_each_timeout_handler(tmp_path: Path, node: NodeProc) -> None:
+def test_each_timeout_handler(tmp_path: Path) -> None:
+    # A lease of 5 s, not the fixture's 1 s: with 1 s a heartbeat answered ~170 ms late (a
+    # loaded machine) fences the worker, which kills t-mark's task before it finishes.
+    node = NodeProc(tmp_path / "data", tmp_path / "node.log", lease="5s")
     worker = WorkerProc(node.port, tmp_path / "worker.log", slots=6)
     quick = {"retries": {"max": 0, "backoff": "200ms"}}
     try:
@@ -146,6 +149,7 @@ def test_each_timeout_handler(tmp_path: Path, node: NodeProc) -> None:
         assert logs.returncode == 0
     finally:
         worker.terminate()
+        node.kill()
 
 
 def test_node_sigkill_loses_no_acknowledged_job_and_runs_at_most_once_jobs_once(

@@ -311,8 +311,11 @@ def test_a_deadline_renewed_in_time_kills_nothing(guard: Any) -> None:
     task = _sleeper()
     try:
         pipe.write(format_announce(1, MARKER, None) + format_spawned(1, task.pid))
-        for _ in range(6):  # renewed every 0.1 s, each 0.4 s ahead
-            pipe.write(format_fence(time.monotonic_ns() // 1_000_000 + 400))
+        # Renewed every 0.1 s, each 1 s ahead, for 1.2 s (longer than one deadline, so it
+        # is the renewals that keep the task): a loaded machine may oversleep a 0.1 s sleep
+        # by a few hundred ms, which a deadline 0.4 s ahead did not survive.
+        for _ in range(12):
+            pipe.write(format_fence(time.monotonic_ns() // 1_000_000 + 1000))
             time.sleep(0.1)
         assert task.poll() is None
         pipe.write(format_done(1))
