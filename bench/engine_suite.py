@@ -65,6 +65,9 @@ class SyntheticDirectory:
     def key_of(self, job_id: str) -> int | None:
         return int(job_id[4:]) if job_id.startswith("job-") else None
 
+    def keys_of(self, job_ids: list[str]) -> list[int | None]:
+        return [self.key_of(job_id) for job_id in job_ids]
+
     def latest(self, key: int) -> tuple[int, Mapping[str, Any]] | None:
         return 1, {"id": _job_id(key), "task": {"payload": key}}
 

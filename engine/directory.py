@@ -27,6 +27,11 @@ class JobDirectory(Protocol):
         """The dense key of ``job_id`` in this shard, or None when no durable record names it."""
         ...
 
+    def keys_of(self, job_ids: list[str]) -> list[int | None]:
+        """:meth:`key_of` of each of ``job_ids``, in order: one call for a bulk create's
+        chunk, which a store answers with one multi-get instead of a lookup a job."""
+        ...
+
     def latest(self, key: int) -> tuple[int, Mapping[str, Any]] | None:
         """``(version, spec dict)`` of the newest durable ``job`` record of ``key``, or None."""
         ...
@@ -76,6 +81,10 @@ class MemoryDirectory:
 
     def key_of(self, job_id: str) -> int | None:
         return self._ids.get(job_id)
+
+    def keys_of(self, job_ids: list[str]) -> list[int | None]:
+        ids = self._ids
+        return [ids.get(job_id) for job_id in job_ids]
 
     def latest(self, key: int) -> tuple[int, Mapping[str, Any]] | None:
         return self._specs.get(key)

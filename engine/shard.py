@@ -1051,10 +1051,14 @@ class ShardEngine:
                 wheel.cancel(key)
         return nxt
 
-    def _key_of(self, job_id: str) -> int | None:
+    def _key_of(self, job_id: str, known: dict[str, int | None] | None = None) -> int | None:
+        """The key of ``job_id``: what the engine knows of ids not yet durable, else the
+        directory's (from ``known`` when it was asked beforehand)."""
         recent = self._recent_ids.get(job_id)
         if recent is not None:
             return recent[1]
+        if known is not None and job_id in known:
+            return known[job_id]
         return self._directory.key_of(job_id)
 
     def _stored_spec(self, key: int, version: int) -> dict[str, Any]:
@@ -1453,17 +1457,27 @@ class ShardEngine:
         # One reply for the lot: under a bulk create, a reply object per job (and the driver's
         # slot and callback for it) was a good part of a create's cost.
         results: list[dict[str, Any] | EngineError] = []
+        # The directory's keys of the chunk's ids, asked at once (a store's multi-get, not a
+        # lookup a job: ~1 us a create). Exact for the whole chunk: the directory changes only
+        # with what the engine already knows as not yet durable (_recent_ids, asked first),
+        # which takes in the chunk's own creates as they go.
+        recent = self._recent_ids
+        asked = [spec.id for spec in cmd.specs if spec.id not in recent]
+        known = dict(zip(asked, self._directory.keys_of(asked), strict=True))
         for spec in cmd.specs:
             try:
-                results.append(self._create_job(spec))
+                results.append(self._create_job(spec, known))
             except EngineError as error:
                 results.append(_bare(error))
         self._reply_after_durable(cmd.request_id, {"results": results})
 
-    def _create_job(self, spec: JobSpec) -> dict[str, Any]:
+    def _create_job(
+        self, spec: JobSpec, known: dict[str, int | None] | None = None
+    ) -> dict[str, Any]:
         """Create (or, with ``replace``, update) the job ``spec``; return its description.
-        Raises :class:`JobExists` (nothing changed) for a live job without ``replace``."""
-        existing = self._key_of(spec.id)
+        Raises :class:`JobExists` (nothing changed) for a live job without ``replace``.
+        ``known``: the directory's keys of ids, asked beforehand (:meth:`_create_jobs`)."""
+        existing = self._key_of(spec.id, known)
         live = existing is not None and self._exists(existing) and not self._flags[existing] & _GONE
         if live and not spec.replace:
             raise JobExists(f"job {spec.id!r} exists (set replace to overwrite)", field="id")

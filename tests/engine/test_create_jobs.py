@@ -9,9 +9,11 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from engine.directory import MemoryDirectory
 from engine.effects import CancelJob, CreateJob, CreateJobs, Persist, Reply
 from engine.errors import EngineError, JobExists
 from engine.jobs import JobSpec, validate_job
+from engine.shard import ShardEngine
 from tests.engine.harness import T0, Node
 
 IDS = [f"j{i}" for i in range(6)]
@@ -155,3 +157,88 @@ def test_refused_specs_leave_no_reference_cycle_behind() -> None:
             assert alive() == before
     finally:
         gc.enable()
+
+
+class _CountingDirectory:
+    """A directory that records the engine's lookups (around a MemoryDirectory, which is
+    compiled and cannot be subclassed here)."""
+
+    def __init__(self) -> None:
+        self.inner = MemoryDirectory()
+        self.one_by_one: list[str] = []
+        self.at_once: list[list[str]] = []
+
+    def absorb(self, records: Any) -> None:
+        self.inner.absorb(records)
+
+    def key_of(self, job_id: str) -> int | None:
+        self.one_by_one.append(job_id)
+        return self.inner.key_of(job_id)
+
+    def keys_of(self, job_ids: list[str]) -> list[int | None]:
+        self.at_once.append(list(job_ids))
+        return self.inner.keys_of(job_ids)
+
+    def latest(self, key: int) -> Any:
+        return self.inner.latest(key)
+
+    def ticket_fields(self, key: int) -> Any:
+        return self.inner.ticket_fields(key)
+
+    def has_run(self, key: int, at: int) -> bool:
+        return self.inner.has_run(key, at)
+
+
+class _CountingNode(Node):
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.directory = _CountingDirectory()  # type: ignore[assignment]
+        self.engine = ShardEngine(
+            epoch=self.epoch,
+            wall_ms=self.wall,
+            mono_ms=self.mono,
+            config=self.config,
+            directory=self.directory,
+        )
+
+
+def test_a_bulk_create_asks_the_directory_once_for_its_ids() -> None:
+    """A chunk's ids are looked up in one call (a store's multi-get) instead of one a job;
+    the ids of jobs not yet durable (made earlier, or earlier in the chunk) are the engine's
+    own, and the answers are those of creates one by one."""
+    node = _CountingNode()
+    directory = node.directory
+    assert isinstance(directory, _CountingDirectory)
+
+    def spec(job_id: str, **more: Any) -> JobSpec:
+        raw = {"id": job_id, "schedule": {"every": "1h"}, "task": {"payload": job_id}, **more}
+        return validate_job(raw, now_ms=T0)
+
+    node.do(CreateJob(node.request(), spec("durable")))  # acknowledged: the directory's
+    node.auto_durable = False
+    node.do(CreateJob(node.request(), spec("in-flight")))  # not durable yet: the engine's
+    directory.one_by_one.clear()
+    reply = node.do(
+        CreateJobs(
+            node.request(),
+            (
+                spec("durable"),
+                spec("in-flight"),
+                spec("new"),
+                spec("new"),
+                spec("durable", replace=True),
+            ),
+        )
+    )
+    assert reply is None  # (answered once durable)
+    assert directory.at_once == [["durable", "new", "new", "durable"]]
+    # Only the replacing create looks its key up again, on the update path it takes.
+    assert directory.one_by_one == ["durable"]
+    node.flush()
+    (answer,) = [r for r in node.replies.values() if r.result and "results" in r.result]
+    assert answer.result is not None
+    exists, in_flight, new, again, replaced = answer.result["results"]
+    assert isinstance(exists, JobExists) and isinstance(in_flight, JobExists)
+    assert new["id"] == "new" and new["version"] == 1
+    assert isinstance(again, JobExists)
+    assert replaced["id"] == "durable" and replaced["version"] == 2

@@ -136,6 +136,10 @@ def test_store_is_a_job_directory(tmp_path: Path) -> None:
         directory: JobDirectory = store  # type-checks against the engine's protocol
         store.write([created(3)])
         assert directory.key_of("job-3") == 3
+        store.write([created(5)])
+        ids = ["job-5", "nope", "job-3", "job-5", ""]
+        assert directory.keys_of(ids) == [directory.key_of(i) for i in ids] == [5, None, 3, 5, None]
+        assert directory.keys_of([]) == []
 
 
 _VALUES = st.recursive(
