@@ -3,6 +3,7 @@ crashes that drop what was not acknowledged, and a log of everything the engine 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,10 +53,12 @@ class Node:
     next_request: int = 0
     #: the newest columnar snapshot and how many durable records it reflects
     snapshot: tuple[Snapshot, int] | None = None
+    #: makes the store's view (a MemoryDirectory, or a test's stand-in with its ``absorb``)
+    make_directory: Callable[[], Any] = MemoryDirectory
 
     def __post_init__(self) -> None:
         # The store's view: only what was acknowledged durable, as a real node's directory.
-        self.directory = MemoryDirectory()
+        self.directory = self.make_directory()
         self.engine = ShardEngine(
             epoch=self.epoch,
             wall_ms=self.wall,

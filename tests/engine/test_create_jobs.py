@@ -13,7 +13,6 @@ from engine.directory import MemoryDirectory
 from engine.effects import CancelJob, CreateJob, CreateJobs, Persist, Reply
 from engine.errors import EngineError, JobExists
 from engine.jobs import JobSpec, validate_job
-from engine.shard import ShardEngine
 from tests.engine.harness import T0, Node
 
 IDS = [f"j{i}" for i in range(6)]
@@ -189,24 +188,11 @@ class _CountingDirectory:
         return self.inner.has_run(key, at)
 
 
-class _CountingNode(Node):
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self.directory = _CountingDirectory()  # type: ignore[assignment]
-        self.engine = ShardEngine(
-            epoch=self.epoch,
-            wall_ms=self.wall,
-            mono_ms=self.mono,
-            config=self.config,
-            directory=self.directory,
-        )
-
-
 def test_a_bulk_create_asks_the_directory_once_for_its_ids() -> None:
     """A chunk's ids are looked up in one call (a store's multi-get) instead of one a job;
     the ids of jobs not yet durable (made earlier, or earlier in the chunk) are the engine's
     own, and the answers are those of creates one by one."""
-    node = _CountingNode()
+    node = Node(make_directory=_CountingDirectory)
     directory = node.directory
     assert isinstance(directory, _CountingDirectory)
 
