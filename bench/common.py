@@ -97,6 +97,7 @@ def host_probe_ns() -> float:
 
     packb, unpackb = msgpack.packb, msgpack.unpackb
     timings: list[int] = []
+    collecting = gc.isenabled()
     for _ in range(PROBE_TIMINGS):
         gc.collect()
         gc.disable()
@@ -115,7 +116,8 @@ def host_probe_ns() -> float:
                     spec.pop(key)
             elapsed = time.perf_counter_ns() - start
         finally:
-            gc.enable()
+            if collecting:
+                gc.enable()
         timings.append(elapsed)
     return statistics.median(timings) / PROBE_ITEMS
 

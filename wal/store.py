@@ -88,6 +88,7 @@ from wal.errors import (
     StoreClosed,
     StoreError,
     StoreFailure,
+    StoreIOError,
     StoreUsageError,
     check_i64,
     decoded,
@@ -697,6 +698,15 @@ class ShardStore:
             failure = translate(exc, path=self.path, doing=doing)
             self._failed = failure
             raise failure from exc
+        except BaseException:
+            # An interruption (KeyboardInterrupt on the loop's thread, in write_here) between
+            # the unsynced write and its fsync leaves the group readable but not durable, and
+            # its log position not handed out, so that the next group would overwrite its log
+            # entry: the store is failed as after a failed fsync (found by review).
+            self._failed = StoreIOError(
+                f"{doing}: interrupted before the write was durable", path=self.path
+            )
+            raise
 
     # ================================================================= JobDirectory and queries
 
@@ -736,9 +746,9 @@ class ShardStore:
     def keys_of(self, job_ids: list[str]) -> list[int | None]:
         """:meth:`key_of` of each of ``job_ids``, in order: one multi-get (a bulk create's
         chunk asks once, not once a job)."""
+        self._db_open()
         if not job_ids:
             return []
-        self._db_open()
         wanted: list[str | int | float | bytes | bool] = [job_id.encode() for job_id in job_ids]
         try:
             found: list[bytes | None] = self._cf[_INDEX].get(wanted)  # type: ignore[assignment]

@@ -616,10 +616,14 @@ def test_a_second_live_worker_process_with_the_same_id_is_refused(tmp_path: Path
             nursery.cancel_scope.cancel()
         assert sorted(executions) == sorted(set(executions)) and len(executions) == 4
         # The first has gone (its connection closed): a third process takes the id at once.
-        third = WorkerAgent("127.0.0.1", port, worker_id="dup", payload_handler=handler)
+        # Its patience 0.5 s: a refusal fails the test at once, instead of being retried until
+        # the first's id lapses with its lease (found by review: with the lease at 3 s, the
+        # retries got in before the 10 s below, and a node that kept the id went unnoticed).
+        third = WorkerAgent(
+            "127.0.0.1", port, worker_id="dup", payload_handler=handler, id_in_use_patience_s=0.5
+        )
         async with trio.open_nursery() as nursery:
-            # (10 s for a loaded machine's connect and durable hello; a refusal would take the
-            # default patience, 60 s, and still fail it)
+            # (10 s for a loaded machine's connect and durable hello)
             with trio.fail_after(10):
                 await nursery.start(third.run)
             nursery.cancel_scope.cancel()

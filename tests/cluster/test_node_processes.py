@@ -97,9 +97,10 @@ def test_each_timeout_handler(tmp_path: Path) -> None:
     # A lease of 5 s, not the fixture's 1 s: with 1 s a heartbeat answered ~170 ms late (a
     # loaded machine) fences the worker, which kills t-mark's task before it finishes.
     node = NodeProc(tmp_path / "data", tmp_path / "node.log", lease="5s")
-    worker = WorkerProc(node.port, tmp_path / "worker.log", slots=6)
+    worker = None
     quick = {"retries": {"max": 0, "backoff": "200ms"}}
     try:
+        worker = WorkerProc(node.port, tmp_path / "worker.log", slots=6)
         create(
             node.port,
             {"id": "cleanup", "schedule": in_s(10**6), "task": {"shell": "echo cleaned"}},
@@ -148,7 +149,8 @@ def test_each_timeout_handler(tmp_path: Path) -> None:
         wait_until(lambda: "finished" in cli(node.port, "logs", mark["run_id"]).stdout, 10)
         assert logs.returncode == 0
     finally:
-        worker.terminate()
+        if worker is not None:
+            worker.terminate()
         node.kill()
 
 

@@ -232,6 +232,46 @@ def test_after_a_failed_fsync_reads_are_refused_too(tmp_path: Path) -> None:
         store.close()
 
 
+def test_an_interruption_before_the_fsync_fails_the_store(tmp_path: Path) -> None:
+    """A KeyboardInterrupt (or any BaseException) between the group's unsynced write and its
+    fsync: the write is in the database but not durable, and its log position was not handed
+    out. The store is failed as after a failed fsync, so that no reader is answered with it
+    and no later group overwrites its log entry; a reopen finds it whole or absent (found by
+    review)."""
+
+    class InterruptedFsync:
+        def __init__(self, db: Any) -> None:
+            self._db = db
+
+        def flush_wal(self, sync: bool) -> None:
+            raise KeyboardInterrupt
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._db, name)
+
+    store = ShardStore.open(tmp_path, shard=0, shards=1, epoch=1)
+    real = store._db
+    try:
+        store.write([created(1)])
+        store._db = InterruptedFsync(real)
+        with pytest.raises(KeyboardInterrupt):
+            store.write([created(2, batch_id=2)])
+        store._db = real
+        with pytest.raises(StoreFailure, match="interrupted before the write was durable"):
+            store.write([created(3, batch_id=3)])
+        with pytest.raises(StoreFailure):
+            store.job("job-2")
+        with pytest.raises(StoreFailure):
+            store.keys_of([])
+    finally:
+        store._db = real
+        store.close()
+    with ShardStore.open(tmp_path, shard=0, shards=1, epoch=2) as store:
+        batches = [b for _s, b, _e, _r in store.log_batches()]
+        assert batches in ([1], [1, 2])  # whole or absent, and nothing written over it
+        assert store.key_of("job-1") == 1 and store.key_of("job-3") is None
+
+
 @pytest.mark.parametrize(
     ("text", "expected"),
     [

@@ -168,7 +168,11 @@ class UncachedStoreMachine(StoreMachine):
     def __init__(self) -> None:
         self.cache_entries = wal_store.CACHE_ENTRIES
         wal_store.CACHE_ENTRIES = 0  # (emptied whenever they hold anything)
-        super().__init__()
+        try:
+            super().__init__()
+        except BaseException:
+            wal_store.CACHE_ENTRIES = self.cache_entries  # (teardown will not run)
+            raise
 
     def teardown(self) -> None:
         try:
