@@ -9,7 +9,7 @@ import stat
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -189,6 +189,23 @@ def test_a_torn_tail_of_the_log_is_a_batch_never_acknowledged(tmp_path: Path) ->
         assert store.key_of("job-98") == 98 and store.key_of("job-99") is None
 
 
+class _FsyncRaises:
+    """A stand-in for the store's database whose fsync (``flush_wal``) raises what ``error``
+    makes (a fresh exception each time: one kept here would keep its traceback, and through it
+    the database, alive after the store's close, and RocksDB's LOCK with it); the rest is the
+    real database's."""
+
+    def __init__(self, db: Any, error: Callable[[], BaseException]) -> None:
+        self._db = db
+        self._error = error
+
+    def flush_wal(self, sync: bool) -> None:
+        raise self._error()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._db, name)
+
+
 def test_after_a_failed_fsync_reads_are_refused_too(tmp_path: Path) -> None:
     """The group's write goes in unsynced before its fsync (see ShardStore._commit); when the
     fsync fails, the ticket fails, and a reader must not be answered with that write either
@@ -198,21 +215,13 @@ def test_after_a_failed_fsync_reads_are_refused_too(tmp_path: Path) -> None:
     from wal.errors import StoreFailure
     from wal.store import ShardStore
 
-    class FailingFsync:
-        def __init__(self, db: Any) -> None:
-            self._db = db
-
-        def flush_wal(self, sync: bool) -> None:
-            raise Exception("IO error: While fdatasync: /x/000004.log: Input/output error")
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(self._db, name)
-
     store = ShardStore.open(tmp_path, shard=0, shards=1, epoch=1)
     real = store._db
     try:
         store.write([created(1)])
-        store._db = FailingFsync(real)
+        store._db = _FsyncRaises(
+            real, lambda: Exception("IO error: While fdatasync: /x/000004.log: Input/output error")
+        )
         with GroupCommitter(store) as committer, pytest.raises(StoreFailure):
             committer.submit(created(2, batch_id=2)).wait(5)
         with pytest.raises(StoreFailure):
@@ -238,22 +247,11 @@ def test_an_interruption_before_the_fsync_fails_the_store(tmp_path: Path) -> Non
     out. The store is failed as after a failed fsync, so that no reader is answered with it
     and no later group overwrites its log entry; a reopen finds it whole or absent (found by
     review)."""
-
-    class InterruptedFsync:
-        def __init__(self, db: Any) -> None:
-            self._db = db
-
-        def flush_wal(self, sync: bool) -> None:
-            raise KeyboardInterrupt
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(self._db, name)
-
     store = ShardStore.open(tmp_path, shard=0, shards=1, epoch=1)
     real = store._db
     try:
         store.write([created(1)])
-        store._db = InterruptedFsync(real)
+        store._db = _FsyncRaises(real, KeyboardInterrupt)
         with pytest.raises(KeyboardInterrupt):
             store.write([created(2, batch_id=2)])
         store._db = real
