@@ -1482,7 +1482,8 @@ class ShardEngine:
         if live and not spec.replace:
             raise JobExists(f"job {spec.id!r} exists (set replace to overwrite)", field="id")
         if live:
-            return self._update_job(spec, as_create=True)
+            assert existing is not None
+            return self._update_job(spec, as_create=True, key=existing)
         to_pin: list[tuple[_Run, dict[str, Any]]] = []
         if existing is not None and self._exists(existing):
             # A cancelled job's key: its runs still in flight keep their version's spec.
@@ -1579,9 +1580,14 @@ class ShardEngine:
                 )
         self._reply_after_durable(cmd.request_id, self._update_job(cmd.spec, as_create=False))
 
-    def _update_job(self, spec: JobSpec, *, as_create: bool) -> dict[str, Any]:
-        """The job's new version ``spec``; its description. Raises :class:`JobNotFound`."""
-        key = self._job_key(spec.id)
+    def _update_job(
+        self, spec: JobSpec, *, as_create: bool, key: int | None = None
+    ) -> dict[str, Any]:
+        """The job's new version ``spec``; its description. Raises :class:`JobNotFound`.
+        ``key``: the live job's key when the caller has just looked it up (a replacing
+        create), else looked up here."""
+        if key is None:
+            key = self._job_key(spec.id)
         # The new version owes its fire times after now (those of the old version up to now
         # were run or skipped); a replacing create owes what a fresh create would. A one-shot
         # time already past is owed by an update as by a create (the caller asked for that
