@@ -322,6 +322,9 @@ _RUN_DELTAS: Final = tuple(
 )
 #: A job whose newest stored run time is unknown (an ``nruns`` value of an older version).
 UNKNOWN_AT: Final = codec.I64_MAX
+#: A high mark of position keys above every key (8 bytes): what holds before a store knows its
+#: own, so that every position the caches miss is read (see :func:`account`).
+ABOVE_EVERY_KEY: Final = b"\xff" * 9
 
 #: reads the stored values of keys of one family (a multi-get): (family, keys) -> values
 Read = Callable[[int, list[bytes]], list[bytes | None]]
@@ -350,11 +353,12 @@ def account(
     run_cls: dict[bytes, int],
     job_runs: dict[int, list[int]],
     read: Read,
-    pos_held_max: bytes = b"\xff" * 9,
-) -> tuple[set[int], Rows]:
+    pos_held_max: bytes = ABOVE_EVERY_KEY,
+) -> tuple[set[int], Rows, bytes]:
     """What a group changes in the shard's counts (added to ``counts``), the rows that keep
-    the per-job run counts and the time index of new runs, in key order, and the jobs given
-    new runs.
+    the per-job run counts and the time index of new runs, in key order, the jobs given new
+    runs, and the highest position key above ``pos_held_max`` the group writes (``b""``:
+    none), to which the caller raises its mark once the group is written.
 
     What a key held before comes from the write caches (``pos_cls``, ``run_cls``,
     ``job_runs``: what the store wrote last, exact because it is the directory's only
@@ -365,14 +369,17 @@ def account(
     the caches miss. The caches are updated as the group goes (a key written twice in the
     group sees its earlier value there); a caller whose write then fails must forget them.
     O(records)."""
+    pos_top = b""
     for p in prepared:
         if p.pos:
-            _account_pos(p.pos, counts, pos_cls, read, pos_held_max)
+            top = _account_pos(p.pos, counts, pos_cls, read, pos_held_max)
+            if top > pos_top:
+                pos_top = top
     runs = [e for p in prepared if p.runs for e in p.runs]
     added: set[int] = set()
     rows: Rows = []
     if not runs:
-        return added, rows
+        return added, rows, pos_top
     missing = [job for _rk, _cls, job, _at in runs if job not in job_runs]
     if missing:
         missing = list(dict.fromkeys(missing))
@@ -434,7 +441,7 @@ def account(
     for job in sorted(added):
         state = job_runs[job]
         rows.append((NRUNS, i64(job), job_runs_value(state[0], state[1], state[2])))
-    return added, rows
+    return added, rows, pos_top
 
 
 def _account_pos(
@@ -443,12 +450,17 @@ def _account_pos(
     cache: dict[bytes, int],
     read: Read,
     held_max: bytes,
-) -> None:
+) -> bytes:
+    """Count ``entries``; return the highest key among them above ``held_max`` (``b""``:
+    none). A key in the cache above the mark cannot be: the write that cached it raised it."""
     missing: list[bytes] = []
+    top = b""
     for k, _ in entries:
         if k not in cache:
             if k > held_max:  # (a new job's: never stored, no read)
                 cache[k] = POS_NONE
+                if k > top:
+                    top = k
             else:
                 missing.append(k)
     if missing:
@@ -463,3 +475,4 @@ def _account_pos(
             counts[1] += now[1] - was[1]
             counts[2] += now[2] - was[2]
             cache[k] = cls
+    return top

@@ -95,6 +95,7 @@ from wal.errors import (
     translate,
 )
 from wal.logs import LogLimits, LogStore, RocksLogStore
+from wal.route import ABOVE_EVERY_KEY as _ABOVE_EVERY_KEY
 from wal.route import BYTIME as _BYTIME
 from wal.route import EMPTY as _EMPTY
 from wal.route import HISTORY as _HISTORY
@@ -309,7 +310,7 @@ class ShardStore:
         #: at least every key the positions family ever held (its last key at open, raised by
         #: every write): a position above it was never stored, so a new job's needs no read
         #: for the counts (wal.route.account). Above every key until the store is open.
-        self._pos_held_max = b"\xff" * 9
+        self._pos_held_max = _ABOVE_EVERY_KEY
         # A msgpack Packer keeps a buffer between calls: one per thread (prepare() runs in every
         # producer's thread).
         self._packers = threading.local()
@@ -607,7 +608,7 @@ class ShardStore:
                 put(k, v, h[cf])
             counts = self._counts.copy()
             try:
-                added = self._account(wb, prepared, counts)
+                added, pos_top = self._account(wb, prepared, counts)
                 if counts != self._counts:
                     put(b"counts", codec.pack(counts), h[_META])
                 self._commit(wb, f"writing batches {prepared[0].batch_id}..{prepared[-1].batch_id}")
@@ -617,18 +618,18 @@ class ShardStore:
                 raise
             self._last_seq = seq
             self._counts = counts
-            top = max((k for p in prepared if p.pos for k, _ in p.pos), default=b"")
-            if top > self._pos_held_max:
-                self._pos_held_max = top
+            if pos_top > self._pos_held_max:
+                self._pos_held_max = pos_top
             if added:
                 self._touched.update(added)
             return list(range(first, seq + 1))
 
     def _account(
         self, wb: WriteBatch, prepared: Sequence[PreparedBatch], counts: list[int]
-    ) -> set[int]:
+    ) -> tuple[set[int], bytes]:
         """Update ``counts`` for what the group changes, adding per-job run counts and the
-        time index of new runs to ``wb``; the jobs given new runs (:func:`wal.route.account`,
+        time index of new runs to ``wb``; the jobs given new runs and the position mark the
+        group raises (:func:`wal.route.account`,
         on the write caches, which are emptied first when one grew past its bound;
         :meth:`write_prepared` forgets them all if the group is not written). O(records)."""
         if len(self._pos_cls) > CACHE_ENTRIES:
@@ -637,7 +638,7 @@ class ShardStore:
             self._run_cls = {}
         if len(self._job_runs) > CACHE_ENTRIES:
             self._job_runs = {}
-        added, rows = account(
+        added, rows, pos_top = account(
             list(prepared),
             counts,
             self._pos_cls,
@@ -649,7 +650,7 @@ class ShardStore:
         put, h = wb.put, self._h
         for cf, k, v in rows:
             put(k, v, h[cf])
-        return added
+        return added, pos_top
 
     def _read_family(self, family: int, keys: list[bytes]) -> list[bytes | None]:
         return self._multiget(self._cf[family], keys)
@@ -660,12 +661,14 @@ class ShardStore:
         self._run_cls = {}
         self._job_runs = {}
 
-    def _multiget(self, cf: Rdict, keys: list[bytes]) -> list[bytes | None]:
+    def _multiget(
+        self, cf: Rdict, keys: list[bytes], doing: str = "reading before a write"
+    ) -> list[bytes | None]:
         wanted: list[str | int | float | bytes | bool] = list(keys)
         try:
             values: list[bytes | None] = cf.get(wanted)  # type: ignore[assignment]  # a multi-get
         except Exception as exc:
-            raise translate(exc, path=self.path, doing="reading before a write") from exc
+            raise translate(exc, path=self.path, doing=doing) from exc
         return values
 
     def _check_writable(self) -> None:
@@ -749,11 +752,9 @@ class ShardStore:
         self._db_open()
         if not job_ids:
             return []
-        wanted: list[str | int | float | bytes | bool] = [job_id.encode() for job_id in job_ids]
-        try:
-            found: list[bytes | None] = self._cf[_INDEX].get(wanted)  # type: ignore[assignment]
-        except Exception as exc:
-            raise translate(exc, path=self.path, doing="reading index") from exc
+        found = self._multiget(
+            self._cf[_INDEX], [job_id.encode() for job_id in job_ids], "reading index"
+        )
         read = codec.read_i64
         return [None if raw is None else read(raw) for raw in found]
 

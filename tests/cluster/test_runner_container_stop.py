@@ -28,7 +28,7 @@ import trio
 import cluster.runner as runner
 from cluster.runner import container_name, run_task
 from engine.effects import RunTicket
-from tests.cluster.test_runner import alive
+from tests.cluster.test_runner import wait_dead
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -113,13 +113,6 @@ def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path, d
     path.write_text(FAKE)
     path.chmod(path.stat().st_mode | stat.S_IXUSR)
     return path, state, {**os.environ, "FAKE_STATE": str(state)}
-
-
-def wait_dead(pid: int) -> bool:
-    deadline = time.monotonic() + 2  # (a SIGKILLed process takes a moment to be a zombie)
-    while alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return not alive(pid)
 
 
 async def stop_container(
