@@ -69,6 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DUR",
         help="a worker's lease without heartbeats (default 10s; the reattach grace is twice it)",
     )
+    serve.add_argument(
+        "--fire-ahead",
+        metavar="DUR",
+        help=(
+            "fire jobs this far ahead of their time, durable before it, dispatched at it, so "
+            "that a slow disk does not delay them (default 500ms; 0: at their time)"
+        ),
+    )
 
     worker = sub.add_parser(
         "worker",
@@ -164,6 +172,7 @@ DASH_VALUE_OPTIONS: frozenset[str] = frozenset(
         "--in",
         "--timeout",
         "--worker-lease",
+        "--fire-ahead",
         "--at",
         "--port",
         "--count",

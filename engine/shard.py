@@ -25,7 +25,10 @@ Python objects or dict entries.
 The rules, in short (the table of run states is :data:`engine.runs.TRANSITIONS`):
 
 * Firing creates the run PENDING and advances the job in one batch; the run is handed out only
-  once that batch is durable.
+  once that batch is durable, and never before its time. With fire-ahead
+  (``EngineConfig.fire_ahead_ms``) a job fires up to that much before its time, so that its
+  batch is durable by then; an overlap rule that depends on a run still in flight is decided
+  at the time itself (``_deferred``).
 * at-most-once: the CLAIMED record is durable before the run is sent. Retries only after a
   confirmed final report. A run whose worker vanished is LOST after the reattach grace.
 * at-least-once: sent when claimed, the claim persisted in the same call's batch. Until a final
@@ -37,6 +40,7 @@ The rules, in short (the table of run states is :data:`engine.runs.TRANSITIONS`)
 
 from __future__ import annotations
 
+import heapq
 from array import array
 from collections import deque
 from collections.abc import Iterable, Mapping
@@ -158,6 +162,11 @@ ENGINE_MUTANTS = frozenset(
 )
 
 
+#: the longest fire-ahead window: its decisions (overlap, pause, update) are taken early, so
+#: it stays a short moment, well under any schedule's period a user would notice
+MAX_FIRE_AHEAD_MS: Final = 10_000
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Tunables; every duration in ms. Defaults suit a production node."""
@@ -187,6 +196,14 @@ class EngineConfig:
     #: (``chain_too_deep``) instead. Bounds a cycle (A after B, B after A), which submit
     #: cannot see in general: the jobs may live on different shards.
     max_chain_depth: int = 64
+    #: fire-ahead: a job due within this many ms fires now (its run PENDING and durable
+    #: ahead of its time) and goes out at its time, so that a slow fsync near the fire time
+    #: does not delay its dispatch. The decision is taken early, as if the command that came
+    #: in meanwhile had come just after the fire: a pause or an update in the window does not
+    #: stop the run already made (a cancel does: the run is CANCELLED). A job whose earlier
+    #: run is still in flight under an overlap rule is not fired ahead: its rule is applied
+    #: at its time, as without fire-ahead. 0: fire at the due time.
+    fire_ahead_ms: int = 0
     #: guards switched off on purpose, so the simulation can prove its checks catch the fault:
     #: "claim-after-fire" (an at-most-once run sent before its claim is durable) and
     #: "no-redispatch" (at-least-once runs of a lapsed worker lease not handed out again),
@@ -199,6 +216,11 @@ class EngineConfig:
         unknown = self.mutants - ENGINE_MUTANTS
         if unknown:
             raise EngineUsageError(f"unknown mutants {sorted(unknown)}", field="mutants")
+        if not 0 <= self.fire_ahead_ms <= MAX_FIRE_AHEAD_MS:
+            raise EngineUsageError(
+                f"fire_ahead_ms must be in 0..{MAX_FIRE_AHEAD_MS}, got {self.fire_ahead_ms!r}",
+                field="fire_ahead_ms",
+            )
         if self.reattach_grace_ms < self.worker_lease_ms:
             raise EngineUsageError(
                 "reattach grace must be at least the worker lease", field="reattach_grace_ms"
@@ -319,6 +341,12 @@ class _Profile:
             tuple(d["after"]),
             d["jitter_id"],
         )
+
+
+def _ready_at(run: _Run) -> int:
+    """When a PENDING run may go out: its retry's backoff time, else its own time (a run
+    fired ahead of it waits for it; any other was made at or after it)."""
+    return run.at if run.due is None else run.due
 
 
 def _recovery_order(run: _Run) -> tuple[int, int]:
@@ -513,6 +541,13 @@ class ShardEngine:
         self._pending: dict[str, int] = {}
         self._fire: dict[str, TimingWheel] = {}  # per tier: job key -> next fire (engine time)
         self._fire_order: list[str] = []  # sorted(self._fire): tiers fire in a fixed order
+        # Fire-ahead (EngineConfig.fire_ahead_ms): job key -> a fire time taken out of its
+        # wheel early whose decision waits for the time itself (an overlap rule with a run in
+        # flight). In memory only: the job's durable position still says that time, and it
+        # counts as the job's next fire time everywhere (_next_due). The heap orders them,
+        # lazily: an entry that no longer matches the dict is dropped when it comes up.
+        self._deferred: dict[int, int] = {}
+        self._deferred_heap: list[tuple[int, int]] = []
         self._retry = TimingWheel(max(wall_ms, 0))  # run slot -> retry ready time (engine time)
         self._run_timers = TimingWheel(max(mono_ms, 0))  # run slot -> timeout / grace (mono)
         self._run_timer_kind: dict[int, str] = {}
@@ -716,12 +751,16 @@ class ShardEngine:
         # Called after every turn of a driver: a running minimum, no list (each wheel's
         # next_due is cached by the wheel itself).
         pending, bound = self._pending, self.config.ready_bound
+        ahead = self.config.fire_ahead_ms
         best: int | None = self._retry.next_due()
         for tier, wheel in self._fire.items():
             if pending.get(tier, 0) < bound:  # (_tier_open)
                 due = wheel.next_due()
-                if due is not None and (best is None or due < best):
-                    best = due
+                if due is not None and (best is None or due - ahead < best):
+                    best = due - ahead
+        deferred = self._next_deferred()
+        if deferred is not None and (best is None or deferred < best):
+            best = deferred
         if best is not None:
             # Wall-clock deadlines, in monotonic time: when the engine's time reaches them at
             # its pace. Under a wall clock set back, the engine's time stands still until the
@@ -818,12 +857,38 @@ class ShardEngine:
                 if run is not None and run.state is RunState.PENDING:
                     # ``due`` stays as recorded: a ready time in the past means ready.
                     self._enqueue(run)
-        fire = self._fire
+        if self._deferred_heap:
+            self._fire_deferred(wall)
+        fire, horizon = self._fire, wall + self.config.fire_ahead_ms
         for tier in self._fire_order:
             nd = fire[tier].next_due()
-            if nd is not None and nd <= wall:
+            if nd is not None and nd <= horizon:
                 self._fire_tier(tier)
         self._dispatch_all()
+
+    def _next_deferred(self) -> int | None:
+        """The earliest fire time waiting in :attr:`_deferred` (stale heap entries dropped)."""
+        heap, deferred = self._deferred_heap, self._deferred
+        while heap:
+            due, key = heap[0]
+            if deferred.get(key) == due:
+                return due
+            heapq.heappop(heap)
+        return None
+
+    def _fire_deferred(self, wall: int) -> None:
+        """Fire the deferred fire times that are due, in (time, key) order, deciding each as
+        at its time without fire-ahead (:meth:`_fire_job`: its overlap rule, now)."""
+        heap, deferred = self._deferred_heap, self._deferred
+        while heap and heap[0][0] <= wall:
+            due, key = heapq.heappop(heap)
+            if deferred.get(key) == due:
+                del deferred[key]
+                self._fire_job(key, due)
+
+    def _defer_fire(self, key: int, due: int) -> None:
+        self._deferred[key] = due
+        heapq.heappush(self._deferred_heap, (due, key))
 
     def _alloc_slot(self) -> int:
         if self._free_slots:
@@ -920,11 +985,7 @@ class ShardEngine:
                 self._out.extend(self._still_valid(held))
             for ref in self._held_ready.pop(b, ()):
                 run = runs.get(ref)
-                if (
-                    run is not None
-                    and run.state is pending
-                    and (run.due is None or run.due <= wall)
-                ):
+                if run is not None and run.state is pending and _ready_at(run) <= wall:
                     self._enqueue(run, ref)
         self._durable = max(self._durable, batch_id)
         self._dispatch_all()
@@ -1025,11 +1086,16 @@ class ShardEngine:
             return None
         if flags & _PAUSED:
             return self._held_next.get(key)
+        deferred = self._deferred.get(key)
+        if deferred is not None:
+            return deferred
         wheel = self._fire.get(self._profile(key).policy.tier)
         return wheel.due_of(key) if wheel is not None else None
 
     def _set_next(self, key: int, nxt: int | None) -> None:
         """Set the job's next fire time, in its tier's wheel unless paused or cancelled."""
+        if self._deferred:
+            self._deferred.pop(key, None)  # (its heap entry is dropped when it comes up)
         flags = self._flags[key]
         if flags & _GONE:
             self._held_next.pop(key, None)
@@ -1045,6 +1111,8 @@ class ShardEngine:
     def _unarm(self, key: int) -> int | None:
         """Take the job out of its wheel; return the next fire time it had."""
         nxt = self._next_due(key)
+        if self._deferred:
+            self._deferred.pop(key, None)
         if not self._flags[key] & (_PAUSED | _GONE):
             wheel = self._fire.get(self._profile(key).policy.tier)
             if wheel is not None:
@@ -1728,12 +1796,13 @@ class ShardEngine:
         """Fire what is due in ``tier``, no more than its ready bound leaves room for: the rest
         of a burst stays in the wheel (due, and first in line), not as runs in memory."""
         wheel = self._fire[tier]
+        horizon = self._wall + self.config.fire_ahead_ms
         while self._tier_open(tier):
             nd = wheel.next_due()
-            if nd is None or nd > self._wall:
+            if nd is None or nd > horizon:
                 return
             room = self.config.ready_bound - self._pending.get(tier, 0)
-            fired = wheel.advance(self._wall, limit=room)
+            fired = wheel.advance(horizon, limit=room)
             if not fired:
                 return
             self._fire_many(tier, wheel, fired)
@@ -1762,7 +1831,12 @@ class ShardEngine:
                 or (key in active and profile.policy.overlap != "allow")
                 or ref in runs
             ):
-                self._fire_job(key, due)
+                if due > wall:
+                    # Fired ahead of its time, but its overlap rule (or a run of the same
+                    # id) needs what will be in flight at its time: decided then.
+                    self._defer_fire(key, due)
+                else:
+                    self._fire_job(key, due)
                 continue
             schedule = profile.schedule
             nxt = schedule.next_after(due) if schedule is not None else None
@@ -1803,7 +1877,10 @@ class ShardEngine:
             batch = self._batch + 1
             for run in fresh:
                 run.fired_batch = batch
-                self._enqueue(run)
+                if run.at > wall:
+                    self._schedule_retry(run, run.at)  # fired ahead: it goes out at its time
+                else:
+                    self._enqueue(run)
 
     def _fire_job(self, key: int, due: int) -> None:
         """Fire one job due at ``due``: late (the catch-up policy decides), or with runs of
@@ -2478,7 +2555,7 @@ class ShardEngine:
             queue.append(ref or (run.key, run.at))
 
     def _due_now(self, run: _Run) -> bool:
-        return run.due is None or run.due <= self._wall
+        return _ready_at(run) <= self._wall
 
     def _queue_or_wait(self, run: _Run) -> None:
         if self._buffered.get(run.key) == run.at:
@@ -2486,8 +2563,9 @@ class ShardEngine:
             # (as live: _new_run arms none for it, and _forget_run releases it). A retry timer
             # armed here would queue it at its time while the run before it is still active.
             return
-        if run.due is not None and run.due > self._wall:
-            self._schedule_retry(run, run.due)
+        ready = _ready_at(run)
+        if ready > self._wall:
+            self._schedule_retry(run, ready)  # a retry's backoff, or a run fired ahead
         else:
             self._enqueue(run)
 
@@ -2752,6 +2830,8 @@ class ShardEngine:
             dues = wheel.dues()[:n]
             armed = dues != NOT_PENDING
             nxt[: len(dues)][armed] = dues[armed]
+        for key, due in self._deferred.items():  # (out of the wheel until their time)
+            nxt[key] = due
         runs = [
             self._run_record(run, buffered=self._buffered.get(run.key) == run.at)
             for run in sorted(self._runs.values(), key=lambda r: r.ref)
@@ -2912,7 +2992,7 @@ class ShardEngine:
 
     def pending_jobs(self) -> int:
         """Jobs with a next fire time (paused ones included)."""
-        armed = sum(len(wheel) for wheel in self._fire.values())
+        armed = sum(len(wheel) for wheel in self._fire.values()) + len(self._deferred)
         return armed + sum(1 for nxt in self._held_next.values() if nxt is not None)
 
     def snapshot(self) -> dict[str, Any]:

@@ -87,6 +87,9 @@ class SimConfig:
             misfire_ms=60_000,
             ready_bound=200,
             max_clock_jump_ms=2_000,
+            # as a node fires (cluster.node.NODE_FIRE_AHEAD_MS): its crashes, partitions and
+            # bursts then land inside the window too
+            fire_ahead_ms=500,
         )
     )
     lease: LeaseConfig = field(

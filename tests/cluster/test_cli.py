@@ -269,6 +269,20 @@ def test_serve_refuses_an_address_it_cannot_listen_on_before_touching_the_data(
     assert "not a directory" in clean_failure(done, 2)
 
 
+def test_serve_refuses_a_fire_ahead_window_it_cannot_keep_before_touching_the_data(
+    tmp_path: Path,
+) -> None:
+    data = tmp_path / "d"
+    for value, says in (
+        ("soon", "--fire-ahead"),
+        ("-5s", "--fire-ahead"),
+        ("11s", "fire_ahead_ms must be in 0..10000"),
+    ):
+        done = tw("serve", "--data", str(data), "--port", "0", "--fire-ahead", value, timeout=30)
+        assert says in clean_failure(done, 2), (value, done.stderr)
+    assert not data.exists()
+
+
 # ------------------------------------------------------------------ C8: job.list cursors
 
 

@@ -9,6 +9,7 @@ the recovered engine equals the live one.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from dataclasses import replace
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -47,9 +48,11 @@ CONFIG = EngineConfig(
 
 
 class ShardMachine(RuleBasedStateMachine):
+    config = CONFIG
+
     @initialize()
     def setup(self) -> None:
-        self.node = Node(config=CONFIG, auto_durable=False)
+        self.node = Node(config=self.config, auto_durable=False)
         self.mono0 = self.node.mono
         self.seen_dispatches = 0
         self.amo_sent: Counter[tuple[str, int]] = Counter()
@@ -69,10 +72,12 @@ class ShardMachine(RuleBasedStateMachine):
         """Look at what the engine sent since the last step."""
         new = self.node.dispatches[self.seen_dispatches :]
         self.seen_dispatches = len(self.node.dispatches)
-        for _engine_ms, dispatch in new:
+        for engine_ms, dispatch in new:
             ticket = dispatch.run
             # Never early: the engine's clock may run ahead of true time by the jump bound only.
-            assert ticket.scheduled_ms <= self.true_now() + CONFIG.max_clock_jump_ms
+            assert ticket.scheduled_ms <= self.true_now() + self.config.max_clock_jump_ms
+            # ... and by its own clock never before the run's time, fired ahead or not.
+            assert ticket.scheduled_ms <= engine_ms, (ticket, engine_ms)
             if ticket.delivery == "at_most_once":
                 self.amo_sent[(ticket.run_id, ticket.attempt)] += 1
                 assert self.amo_sent[(ticket.run_id, ticket.attempt)] == 1, ticket
@@ -327,10 +332,21 @@ class ShardMachine(RuleBasedStateMachine):
             assert RunState(state) not in (RunState.SUCCESS, RunState.LOST, RunState.SKIPPED)
 
 
-TestShardMachine = ShardMachine.TestCase
-TestShardMachine.settings = settings(
+class FireAheadShardMachine(ShardMachine):
+    """The same promises with fire-ahead (EngineConfig.fire_ahead_ms): jobs fired up to 3 s
+    before their time (the steps move time by up to seconds, so that fires, commands, crashes
+    and worker deaths land inside the window), overlap rules deferred to the time itself."""
+
+    config = replace(CONFIG, fire_ahead_ms=3_000)
+
+
+MACHINE_SETTINGS = settings(
     max_examples=120,
     stateful_step_count=50,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
+TestShardMachine = ShardMachine.TestCase
+TestShardMachine.settings = MACHINE_SETTINGS
+TestFireAheadShardMachine = FireAheadShardMachine.TestCase
+TestFireAheadShardMachine.settings = MACHINE_SETTINGS
