@@ -198,11 +198,10 @@ class EngineConfig:
     max_chain_depth: int = 64
     #: fire-ahead: a job due within this many ms fires now (its run PENDING and durable
     #: ahead of its time) and goes out at its time, so that a slow fsync near the fire time
-    #: does not delay its dispatch. The decision is taken early, as if the command that came
-    #: in meanwhile had come just after the fire: a pause or an update in the window does not
-    #: stop the run already made (a cancel does: the run is CANCELLED). A job whose earlier
-    #: run is still in flight under an overlap rule is not fired ahead: its rule is applied
-    #: at its time, as without fire-ahead. 0: fire at the due time.
+    #: does not delay its dispatch. Decisions stay those of the time: a job with an overlap
+    #: rule is not fired ahead (its time waits in ``_deferred`` and is decided at the time),
+    #: and a pause or an update inside the window takes the run made ahead back (CANCELLED,
+    #: never sent) and owes its time as before. 0: fire at the due time.
     fire_ahead_ms: int = 0
     #: guards switched off on purpose, so the simulation can prove its checks catch the fault:
     #: "claim-after-fire" (an at-most-once run sent before its claim is durable) and
@@ -884,7 +883,13 @@ class ShardEngine:
             due, key = heapq.heappop(heap)
             if deferred.get(key) == due:
                 del deferred[key]
-                self._fire_job(key, due)
+                tier = self._profile(key).policy.tier
+                if self._tier_open(tier):
+                    self._fire_job(key, due)
+                else:
+                    # Its tier is full: back in the wheel, due, to wait for room as any fire
+                    # does (found by review: deferred fires went past the ready bound).
+                    self._fire_wheel(tier).schedule(key, due)
 
     def _defer_fire(self, key: int, due: int) -> None:
         self._deferred[key] = due
@@ -1656,6 +1661,7 @@ class ShardEngine:
         create), else looked up here."""
         if key is None:
             key = self._job_key(spec.id)
+        self._take_back_fired_ahead(key, spec.id, "updated")
         # The new version owes its fire times after now (those of the old version up to now
         # were run or skipped); a replacing create owes what a fresh create would. A one-shot
         # time already past is owed by an update as by a create (the caller asked for that
@@ -1720,11 +1726,31 @@ class ShardEngine:
     def _pause(self, cmd: PauseJob) -> None:
         key = self._job_key(cmd.job_id)
         if not self._flags[key] & _PAUSED:
+            taken = self._take_back_fired_ahead(key, cmd.job_id, "paused")
             nxt = self._unarm(key)
+            if taken is not None and (nxt is None or taken < nxt):
+                nxt = taken  # owed again: it fires at the resume, or catch-up decides
             self._flags[key] |= _PAUSED
             self._held_next[key] = nxt
             self._persist_pos(key)
         self._reply_after_durable(cmd.request_id, self._describe(key, cmd.job_id))
+
+    def _take_back_fired_ahead(self, key: int, job_id: str, why: str) -> int | None:
+        """Cancel job ``key``'s runs fired ahead and not due yet (PENDING and never sent: a
+        run made ahead waits for its time, and only such a run is PENDING at a time after
+        now with no ready time of its own), so that a pause or an update inside the
+        fire-ahead window decides their times as it would have before they fired (found by
+        review: an update's new version skipped the time as an overlap, and its reply
+        named it as its next fire). Returns the earliest time taken back (None: none)."""
+        wall, earliest = self._wall, None
+        for at in sorted(t for t in self._times(key) if t > wall):
+            run = self._runs[(key, at)]
+            if run.state is RunState.PENDING and run.due is None:
+                run.job_id = job_id
+                self._finalize(run, RunEvent.CANCEL, why=f"{why} before its time")
+                if earliest is None:
+                    earliest = at
+        return earliest
 
     def _resume(self, cmd: ResumeJob) -> None:
         key = self._job_key(cmd.job_id)
@@ -1826,17 +1852,21 @@ class ShardEngine:
             pid = profs[key]
             profile = profiles[pid]
             ref = (key, due)
-            if (
+            if due > wall:
+                if profile.policy.overlap != "allow" or ref in runs:
+                    # Inside the fire-ahead window, but an overlap rule (or a run of the same
+                    # id) is decided with what is in flight at the time: then. Any overlap
+                    # rule, even with nothing in flight now: a run made ahead would count as
+                    # in flight for a triggered run's rule inside the window (found by
+                    # review: a trigger's run cancelled the later scheduled one).
+                    self._defer_fire(key, due)
+                    continue
+            elif (
                 wall - due > misfire
                 or (key in active and profile.policy.overlap != "allow")
                 or ref in runs
             ):
-                if due > wall:
-                    # Fired ahead of its time, but its overlap rule (or a run of the same
-                    # id) needs what will be in flight at its time: decided then.
-                    self._defer_fire(key, due)
-                else:
-                    self._fire_job(key, due)
+                self._fire_job(key, due)
                 continue
             schedule = profile.schedule
             nxt = schedule.next_after(due) if schedule is not None else None

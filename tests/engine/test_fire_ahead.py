@@ -1,7 +1,8 @@
 """Fire-ahead (``EngineConfig.fire_ahead_ms``): a job due within the window fires early, so that
 its run is PENDING and durable before its time, and goes out at its time without waiting for
 a write; nothing is ever handed out before its time; the decisions that depend on what is in
-flight at the time (overlap rules) are still taken at the time. The state machine
+flight at the time (overlap rules) are still taken at the time, and a pause or an update inside
+the window takes back the run made ahead. The state machine
 (``tests/engine/test_shard_machine.py``, ``FireAheadShardMachine``) checks the promises under
 random commands, crashes and worker deaths; these tests pin down each rule."""
 
@@ -11,8 +12,19 @@ from dataclasses import replace
 
 import pytest
 
-from engine.effects import CancelJob, GetJob, PauseJob, Pull, ReportFinished, WorkerHello
+from engine.effects import (
+    CancelJob,
+    GetJob,
+    PauseJob,
+    Pull,
+    ReportFinished,
+    ResumeJob,
+    TriggerJob,
+    UpdateJob,
+    WorkerHello,
+)
 from engine.errors import EngineUsageError
+from engine.jobs import validate_job
 from engine.records import expand
 from engine.schedules import format_utc
 from engine.shard import MAX_FIRE_AHEAD_MS, EngineConfig
@@ -79,6 +91,7 @@ def test_at_most_once_still_waits_for_its_claim_to_be_durable() -> None:
     at = T0 + 1_000
     once_at(node, "x", at, delivery="at_most_once")
     node.advance(1_000 - AHEAD)
+    assert fired_runs(node) == [("PENDING", at)]
     node.flush()
     node.advance(AHEAD)
     assert node.tickets() == []  # the claim first
@@ -92,6 +105,7 @@ def test_a_fire_still_not_durable_at_its_time_holds_its_run_back() -> None:
     at = T0 + 1_000
     once_at(node, "x", at)
     node.advance(1_000 - AHEAD)
+    assert fired_runs(node) == [("PENDING", at)]
     node.advance(AHEAD + 200)
     assert node.tickets() == []
     node.flush()
@@ -112,9 +126,9 @@ def test_a_cancel_inside_the_window_cancels_the_run_made_ahead() -> None:
     assert node.runs()[(0, at)]["state"] == "CANCELLED"
 
 
-def test_a_pause_inside_the_window_leaves_the_run_made_ahead() -> None:
-    # The documented price of the window: the decision was taken when the run was made, as
-    # if the pause had come just after the fire.
+def test_a_pause_inside_the_window_takes_the_run_back_and_a_resume_before_its_time_runs_it() -> (
+    None
+):
     node = node_with_worker()
     at = T0 + 1_000
     once_at(node, "x", at)
@@ -122,8 +136,88 @@ def test_a_pause_inside_the_window_leaves_the_run_made_ahead() -> None:
     node.flush()
     node.do(PauseJob(node.request(), "x"))
     node.flush()
+    assert node.runs()[(0, at)]["state"] == "CANCELLED"  # never sent: taken back
     node.advance(AHEAD)
-    assert [t.run_id for t in node.tickets()] == [f"x@{at}"]
+    node.flush()
+    assert node.tickets() == []  # paused at its time, as without the window
+    # Paused again and resumed before the time: it fires and goes out at its time.
+    node2 = node_with_worker()
+    once_at(node2, "x", at)
+    node2.advance(1_000 - AHEAD)
+    node2.flush()
+    node2.do(PauseJob(node2.request(), "x"))
+    node2.flush()
+    node2.advance(100)
+    node2.do(ResumeJob(node2.request(), "x"))
+    node2.flush()
+    node2.advance(AHEAD - 100)
+    node2.flush()
+    assert [t.run_id for t in node2.tickets()] == [f"x@{at}"]
+    assert node2.runs()[(0, at)]["state"] == "CLAIMED"
+
+
+def test_an_update_inside_the_window_runs_the_new_version_at_the_time() -> None:
+    node = node_with_worker()
+    at = T0 + 1_000
+    once_at(node, "x", at)
+    node.advance(1_000 - AHEAD)
+    node.flush()
+    new = validate_job(
+        {"id": "x", "schedule": {"at": format_utc(at)}, "task": {"command": ["echo", "v2"]}},
+        now_ms=node.wall,
+    )
+    node.do(UpdateJob(node.request(), new))
+    node.flush()
+    reply = node.replies[node.next_request]
+    assert reply.result is not None and reply.result["next_fire_ms"] == at
+    node.advance(AHEAD)
+    node.flush()
+    [ticket] = node.tickets()
+    assert ticket.run_id == f"x@{at}" and ticket.task == {"command": ["echo", "v2"]}
+    assert ticket.version == 2
+    assert node.skips() == []
+
+
+def test_a_trigger_inside_the_window_does_not_cancel_the_later_scheduled_run() -> None:
+    # Found by review: with the scheduled run made ahead, a triggered run inside the window
+    # counted it as in flight, and cancel_previous cancelled the later, scheduled one.
+    node = node_with_worker()
+    at = T0 + 10_000
+    node.create(
+        id="c", schedule={"every": "10s", "start": format_utc(at)}, overlap="cancel_previous"
+    )
+    node.flush()
+    node.run_until(10_000 - AHEAD + 200)
+    node.flush()
+    node.do(TriggerJob(node.request(), "c", "up@1"))  # a run now, 300 ms before `at`
+    node.flush()
+    node.run_until(1_000)
+    node.flush()
+    ids = [t.run_id for t in node.tickets()]
+    assert f"c@{at}" in ids and len(ids) == 2, node.runs()
+    assert node.runs()[(0, at)]["state"] == "CLAIMED"
+
+
+def test_deferred_fires_wait_for_room_under_the_ready_bound() -> None:
+    # Found by review: deferred fires went past the tier's ready bound at their time.
+    node = Node(config=replace(CONFIG, ready_bound=2), auto_durable=False)
+    node.do(WorkerHello("w1", ("default",), 5))
+    for i in range(5):
+        node.create(
+            id=f"j{i}",
+            schedule={"every": "10s", "start": format_utc(T0 + 1_000)},
+            overlap="buffer_one",
+        )
+    node.flush()
+    node.run_until(1_000)
+    node.flush()
+    assert len(node.tickets()) == 5  # in flight until the end of the test
+    node.do(Pull("w1", 0))
+    node.run_until(10_000)
+    node.flush()
+    assert node.engine._pending["default"] == 2
+    # The three fires without room wait due in the wheel, as without the window.
+    assert node.engine.pending_jobs() == 5
 
 
 def test_a_crash_inside_the_window_brings_the_run_back_held_until_its_time() -> None:
@@ -132,6 +226,7 @@ def test_a_crash_inside_the_window_brings_the_run_back_held_until_its_time() -> 
         at = T0 + 2_000
         once_at(node, "x", at)
         node.advance(2_000 - AHEAD)
+        assert fired_runs(node) == [("PENDING", at)]
         node.flush()
         if via_snapshot:
             node.take_snapshot()
@@ -186,7 +281,10 @@ def test_an_overlap_rule_still_skips_when_the_run_before_is_in_flight_at_the_tim
     _every_second(node, "skip")
     node.advance(1_000)
     node.flush()
-    node.advance(1_000)  # +2 s, the first run still in flight
+    node.advance(AHEAD)  # +1.5 s: the window of +2 s opens, the first run in flight: deferred
+    node.flush()
+    assert node.skips() == [] and fired_runs(node) == []
+    node.advance(AHEAD)  # +2 s, the first run still in flight
     node.flush()
     [skip] = node.skips()
     assert (skip["lo"], skip["why"]) == (T0 + 2_000, "overlap")
@@ -201,6 +299,7 @@ def test_a_deferred_fire_time_survives_a_snapshot_and_a_crash() -> None:
     node.advance(AHEAD)  # +1.5 s: +2 s deferred (the first run in flight)
     node.flush()
     assert node.engine.next_owed("e") == T0 + 2_000
+    assert node.engine.pending_jobs() == 1  # the deferred time still counts
     node.take_snapshot()
     node.crash_and_recover(downtime_ms=0, via_snapshot=True)
     assert node.engine.next_owed("e") == T0 + 2_000
@@ -219,7 +318,10 @@ def test_without_a_worker_the_run_made_ahead_waits_like_any_other() -> None:
     node = Node(config=CONFIG, auto_durable=False)
     at = T0 + 1_000
     once_at(node, "x", at)
-    node.advance(1_000)
+    node.advance(1_000 - AHEAD)
+    assert fired_runs(node) == [("PENDING", at)]
+    node.flush()
+    node.advance(AHEAD)
     node.flush()
     node.advance(5_000)
     node.do(WorkerHello("w1", ("default",), 0))

@@ -339,6 +339,21 @@ class FireAheadShardMachine(ShardMachine):
 
     config = replace(CONFIG, fire_ahead_ms=3_000)
 
+    @rule(ms=st.sampled_from([50, 300, 700, 1_500, 2_500]))
+    def advance_within_the_window(self, ms: int) -> None:
+        # Steps shorter than the window, so that fires, commands and crashes land inside it.
+        self.node.advance(ms)
+        self.observe()
+
+    @invariant()
+    def a_deferred_fire_time_is_nowhere_else(self) -> None:
+        if not hasattr(self, "node"):
+            return
+        engine = self.node.engine
+        for key, due in engine._deferred.items():
+            assert all(wheel.due_of(key) is None for wheel in engine._fire.values()), key
+            assert engine._next_due(key) == due
+
 
 MACHINE_SETTINGS = settings(
     max_examples=120,
