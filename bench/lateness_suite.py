@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> SuiteResult:
     with NodeProcess(shards=2, name="node-lateness") as node:
         # This process is the workers' (their loop is where lateness is seen): its state so
         # far is frozen out of the collector's full passes, as `tickwheel worker` does in its
-        # own process (cluster.commands.worker); else a full pass every ~9 s paused the
+        # own process (cluster.commands.work); else a full pass every ~9 s paused the
         # agents ~22 ms, the only lateness above 20 ms left once the node fires ahead.
         gc.collect()
         gc.freeze()

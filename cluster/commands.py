@@ -1178,6 +1178,16 @@ CLIENT_COMMANDS: dict[str, Callable[[Client, argparse.Namespace], Awaitable[int]
 # =============================================================================== node, worker
 
 
+def _duration_ms_or_zero(text: str, field: str) -> int:
+    """An option's duration in ms (:func:`engine.schedules.parse_duration`), where ``0``
+    (``0s``, ``0ms``) is allowed too: "none". Raises its :class:`EngineUsageError`."""
+    from engine.schedules import parse_duration
+
+    if text.strip() in ("0", "0s", "0ms"):
+        return 0
+    return parse_duration(text, field=field)
+
+
 def serve(args: argparse.Namespace) -> int:
     """Run a node until SIGTERM/SIGINT. A node that cannot start (a data directory that is not
     a directory or is of another shape, an address it cannot listen on: a port in use, a host
@@ -1200,11 +1210,7 @@ def serve(args: argparse.Namespace) -> int:
             lease = parse_duration(args.worker_lease, field="--worker-lease")
             config = replace(config, worker_lease_ms=lease, reattach_grace_ms=2 * lease)
         if args.fire_ahead is not None:
-            ahead = (
-                0
-                if args.fire_ahead == "0"
-                else parse_duration(args.fire_ahead, field="--fire-ahead")
-            )
+            ahead = _duration_ms_or_zero(args.fire_ahead, "--fire-ahead")
             config = replace(config, fire_ahead_ms=ahead)
     except EngineUsageError as exc:
         return refuse(str(exc))
@@ -1291,16 +1297,13 @@ def work(args: argparse.Namespace) -> int:
 
     from cluster.worker import WorkerAgent, WorkerError
     from engine.errors import EngineUsageError
-    from engine.schedules import parse_duration
 
     def refuse(message: str, status: int = 2) -> int:
         err_console.print(f"[red]error[/red] {escape(message)}")
         return status
 
     def seconds(text: str, field: str) -> float:
-        if text.strip() in ("0", "0s", "0ms"):
-            return 0.0
-        return parse_duration(text, field=field) / 1000
+        return _duration_ms_or_zero(text, field) / 1000
 
     address, source = connect_address(args)
     try:

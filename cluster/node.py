@@ -104,7 +104,7 @@ from engine.records import Record
 from engine.routing import shard_of, shard_of_run
 from engine.runs import parse_run_id, run_id
 from engine.schedules import format_utc, preview
-from engine.shard import EngineConfig, ShardEngine
+from engine.shard import NODE_FIRE_AHEAD_MS, EngineConfig, ShardEngine
 from engine.snapshot import SnapshotCadence
 from wal.commit import GroupCommitter, Ticket
 from wal.errors import StoreError
@@ -155,12 +155,8 @@ _CURSOR: Final = re.compile(r"[0-9]{1,10}:[0-9]{1,19}")
 GET_TRIES = 5
 #: the collector's thresholds of a node that owns its process (see Node.run)
 NODE_GC_THRESHOLDS: Final = (10_000, 20, 100)
-#: how far ahead of their time a node fires jobs (EngineConfig.fire_ahead_ms): their runs
-#: are PENDING and durable before it, and go out at it with no write first, so that a slow
-#: fsync near the time does not make them late (this disk's fsyncs stall 50-170 ms a few
-#: times a minute: measured with a bare write + fdatasync loop, 2026-12-03)
-NODE_FIRE_AHEAD_MS: Final = 500
 #: a node's engine configuration unless it is given one: the engine's defaults, fire-ahead on
+#: (runs PENDING and durable before their time, out at it with no write first)
 NODE_ENGINE_CONFIG: Final = EngineConfig(fire_ahead_ms=NODE_FIRE_AHEAD_MS)
 #: Batches are written on the event loop's own thread (Node.commit_here)
 #: only while the shard's recent writes, fsync included, took at most this long: the longest

@@ -165,11 +165,17 @@ ENGINE_MUTANTS = frozenset(
 #: the longest fire-ahead window: its decisions (overlap, pause, update) are taken early, so
 #: it stays a short moment, well under any schedule's period a user would notice
 MAX_FIRE_AHEAD_MS: Final = 10_000
+#: the fire-ahead window a node runs with (and the simulation, which plays nodes): long enough
+#: for the fsync stalls of this machine's disk, 50-170 ms a few times a minute (a bare write +
+#: fdatasync loop, 2026-12-03), so that they no longer make runs late
+NODE_FIRE_AHEAD_MS: Final = 500
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Tunables; every duration in ms. Defaults suit a production node."""
+    """Tunables; every duration in ms. Defaults suit a production node, but for
+    ``fire_ahead_ms``: 0 here, exact fire times for callers that step time by hand; a node
+    sets :data:`NODE_FIRE_AHEAD_MS`."""
 
     worker_lease_ms: int = 10_000
     #: after a restart, or after an at-most-once run's worker lease lapsed (>= worker lease)

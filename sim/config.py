@@ -13,7 +13,7 @@ from engine.lease import LEASE_MUTANTS as _LEASE_MUTANTS
 from engine.lease import WORKER_MUTANTS as _WORKER_MUTANTS
 from engine.lease import LeaseConfig
 from engine.shard import ENGINE_MUTANTS as _ENGINE_MUTANTS
-from engine.shard import EngineConfig
+from engine.shard import NODE_FIRE_AHEAD_MS, EngineConfig
 from sim.names import FAULTS, MUTANTS
 
 # Each mutant switches off a guard in the module that owns it; the CLI's list must match.
@@ -87,9 +87,8 @@ class SimConfig:
             misfire_ms=60_000,
             ready_bound=200,
             max_clock_jump_ms=2_000,
-            # as a node fires (cluster.node.NODE_FIRE_AHEAD_MS): its crashes, partitions and
-            # bursts then land inside the window too
-            fire_ahead_ms=500,
+            # as a node fires: its crashes, partitions and bursts land inside the window too
+            fire_ahead_ms=NODE_FIRE_AHEAD_MS,
         )
     )
     lease: LeaseConfig = field(

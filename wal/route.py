@@ -322,8 +322,9 @@ _RUN_DELTAS: Final = tuple(
 )
 #: A job whose newest stored run time is unknown (an ``nruns`` value of an older version).
 UNKNOWN_AT: Final = codec.I64_MAX
-#: A high mark of position keys above every key (8 bytes): what holds before a store knows its
-#: own, so that every position the caches miss is read (see :func:`account`).
+#: A high mark of position keys above every key (they are 8 bytes; nine 0xff bytes sort after
+#: each): what holds before a store knows its own, so that every position the caches miss is
+#: read (see :func:`account`).
 ABOVE_EVERY_KEY: Final = b"\xff" * 9
 
 #: reads the stored values of keys of one family (a multi-get): (family, keys) -> values

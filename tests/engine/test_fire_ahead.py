@@ -56,6 +56,19 @@ def fired_runs(node: Node) -> list[tuple[str, int]]:
     ]
 
 
+def made_ahead(*, flush: bool = True, **extra: object) -> tuple[Node, int]:
+    """A node with a worker and a one-shot job "x" due 1 s on, moved into its window: its run
+    made ahead (checked), made durable unless ``flush`` is False; the node and the run's time."""
+    node = node_with_worker()
+    at = T0 + 1_000
+    once_at(node, "x", at, **extra)
+    node.advance(1_000 - AHEAD)
+    assert fired_runs(node) == [("PENDING", at)]
+    if flush:
+        node.flush()
+    return node, at
+
+
 def test_the_run_is_made_durable_ahead_and_goes_out_at_its_time_with_no_write_first() -> None:
     node = node_with_worker()
     at = T0 + 2_000
@@ -87,12 +100,7 @@ def test_the_engine_wakes_ahead_of_the_fire_and_again_at_its_time() -> None:
 
 
 def test_at_most_once_still_waits_for_its_claim_to_be_durable() -> None:
-    node = node_with_worker()
-    at = T0 + 1_000
-    once_at(node, "x", at, delivery="at_most_once")
-    node.advance(1_000 - AHEAD)
-    assert fired_runs(node) == [("PENDING", at)]
-    node.flush()
+    node, at = made_ahead(delivery="at_most_once")
     node.advance(AHEAD)
     assert node.tickets() == []  # the claim first
     node.flush()
@@ -101,11 +109,7 @@ def test_at_most_once_still_waits_for_its_claim_to_be_durable() -> None:
 
 def test_a_fire_still_not_durable_at_its_time_holds_its_run_back() -> None:
     # A disk slower than the window: the run waits for its fire's batch, as without it.
-    node = node_with_worker()
-    at = T0 + 1_000
-    once_at(node, "x", at)
-    node.advance(1_000 - AHEAD)
-    assert fired_runs(node) == [("PENDING", at)]
+    node, at = made_ahead(flush=False)
     node.advance(AHEAD + 200)
     assert node.tickets() == []
     node.flush()
@@ -113,11 +117,7 @@ def test_a_fire_still_not_durable_at_its_time_holds_its_run_back() -> None:
 
 
 def test_a_cancel_inside_the_window_cancels_the_run_made_ahead() -> None:
-    node = node_with_worker()
-    at = T0 + 1_000
-    once_at(node, "x", at)
-    node.advance(1_000 - AHEAD)
-    node.flush()
+    node, at = made_ahead()
     node.do(CancelJob(node.request(), "x"))
     node.flush()
     node.advance(AHEAD + 1_000)
@@ -129,11 +129,7 @@ def test_a_cancel_inside_the_window_cancels_the_run_made_ahead() -> None:
 def test_a_pause_inside_the_window_takes_the_run_back_and_a_resume_before_its_time_runs_it() -> (
     None
 ):
-    node = node_with_worker()
-    at = T0 + 1_000
-    once_at(node, "x", at)
-    node.advance(1_000 - AHEAD)
-    node.flush()
+    node, at = made_ahead()
     node.do(PauseJob(node.request(), "x"))
     node.flush()
     assert node.runs()[(0, at)]["state"] == "CANCELLED"  # never sent: taken back
@@ -141,10 +137,7 @@ def test_a_pause_inside_the_window_takes_the_run_back_and_a_resume_before_its_ti
     node.flush()
     assert node.tickets() == []  # paused at its time, as without the window
     # Paused again and resumed before the time: it fires and goes out at its time.
-    node2 = node_with_worker()
-    once_at(node2, "x", at)
-    node2.advance(1_000 - AHEAD)
-    node2.flush()
+    node2, _ = made_ahead()
     node2.do(PauseJob(node2.request(), "x"))
     node2.flush()
     node2.advance(100)
@@ -157,11 +150,7 @@ def test_a_pause_inside_the_window_takes_the_run_back_and_a_resume_before_its_ti
 
 
 def test_an_update_inside_the_window_runs_the_new_version_at_the_time() -> None:
-    node = node_with_worker()
-    at = T0 + 1_000
-    once_at(node, "x", at)
-    node.advance(1_000 - AHEAD)
-    node.flush()
+    node, at = made_ahead()
     new = validate_job(
         {"id": "x", "schedule": {"at": format_utc(at)}, "task": {"command": ["echo", "v2"]}},
         now_ms=node.wall,
