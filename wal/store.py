@@ -482,7 +482,15 @@ class ShardStore:
                 self.logs.close()
             except Exception:  # (another store's: the database must still close)
                 log.exception("closing the run log store failed")
+        cfs, handles = self._cf, self._h
         self._cf, self._h, self._db = [], [], None
+        # Emptied in place too, not only replaced: a failed write's exception (kept in
+        # _failed, and by every ticket of its group) holds the frames of write_prepared and
+        # _account, whose locals name these very lists, and so kept every handle, the
+        # database and its LOCK alive after close: a reopen in the same process after a full
+        # disk was StoreLocked (found by test_disk_errors' tmpfs test).
+        cfs.clear()
+        handles.clear()
         try:
             db.close()
         except Exception:  # closing after a disk failure may report it again; it is known
