@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -132,30 +135,97 @@ def test_every_batch_is_acknowledged_with_its_position(tmp_path: Path) -> None:
     store.close()
 
 
+class SyncCounter:
+    """A forwarding stand-in for the store's RocksDB handle (``store._db``, an ``Rdict``) that
+    counts what makes a write durable: ``flush_wal(True)`` (the fsync of RocksDB's log, how
+    :meth:`ShardStore._commit` syncs) and writes with ``sync`` set. Everything goes on to the
+    real database. The store serialises its writes, so plain counters do."""
+
+    def __init__(self, db: Any) -> None:
+        self._db = db
+        self.writes = 0
+        self.syncs = 0
+        #: how many of the writes so far an fsync that has returned covers: it counts only
+        #: once the fsync is done, so a ticket resolved during it would see the old value
+        self.synced_writes = 0
+        self.events: list[str] = []
+
+    def write(self, wb: Any, opts: Any) -> None:
+        self._db.write(wb, opts)
+        self.writes += 1
+        self.events.append("write")
+        if opts.sync:
+            self._synced(self.writes)
+
+    def flush_wal(self, sync: bool) -> None:
+        covered = self.writes  # (before it starts: a write during it would not be covered)
+        self._db.flush_wal(sync)
+        if sync:
+            self._synced(covered)
+
+    def _synced(self, covered: int) -> None:
+        self.syncs += 1
+        self.synced_writes = covered
+        self.events.append("sync")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._db, name)
+
+
 def test_concurrent_producers_share_fsyncs(tmp_path: Path) -> None:
     store = open_counting(tmp_path)
+    real = store._db
+    db = SyncCounter(real)
+    store._db = db  # type: ignore[assignment]  # (a stand-in: forwards every call)
     producers, each = 32, 20
+    n = producers * each
     acked: list[int] = []
     lock = threading.Lock()
+    #: log position -> fsynced writes when its ticket resolved (on the writer thread, in
+    #: _resolve: the moment the batch is acknowledged, before any waiter wakes)
+    synced_at_ack: dict[int, int] = {}
+
+    def on_ack(ticket: Ticket) -> None:
+        assert ticket.seq is not None
+        synced_at_ack[ticket.seq] = db.synced_writes
 
     def produce(p: int) -> None:
         for i in range(each):
             key = p * each + i
-            seq = committer.submit(batch(key, run(key, T0))).wait(30)
+            seq = committer.submit(batch(key, run(key, T0)), callback=on_ack).wait(30)
             with lock:
                 acked.append(seq)
 
-    with GroupCommitter(store) as committer:
-        threads = [threading.Thread(target=produce, args=(p,)) for p in range(producers)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    assert sorted(acked) == list(range(1, producers * each + 1))
-    # one fsync per group, and groups formed: far fewer writes than batches
-    assert sum(store.writes) == producers * each
-    assert len(store.writes) < producers * each / 2, store.writes
+    try:
+        with GroupCommitter(store) as committer:
+            threads = [threading.Thread(target=produce, args=(p,)) for p in range(producers)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+    finally:
+        store._db = real
+    assert sorted(acked) == list(range(1, n + 1))
+    assert sum(store.writes) == n
+    # Every RocksDB write was followed by its fsync before anything else was written ...
+    assert db.events == ["write", "sync"] * len(store.writes), db.events[:10]
+    # ... one a group: the batches of many producers shared far fewer fsyncs than batches.
+    assert db.writes == db.syncs == len(store.writes) == committer.groups
+    assert db.syncs < n / 2, store.writes
     assert max(store.writes) > 1
+    # No batch was acknowledged before the fsync that covers it: the batch at log position s
+    # is in write number g (positions are handed out in write order, ``store.writes`` holds
+    # each write's batch count), and when its ticket resolved at least g writes were synced.
+    ends = list(itertools.accumulate(store.writes))
+    assert sorted(synced_at_ack) == list(range(1, n + 1))
+    early = [
+        (seq, synced, bisect.bisect_left(ends, seq) + 1)
+        for seq, synced in sorted(synced_at_ack.items())
+        if synced < bisect.bisect_left(ends, seq) + 1
+    ]
+    assert not early, (
+        f"acknowledged before their fsync (seq, writes synced, its write): {early[:5]}"
+    )
     store.close()
 
 

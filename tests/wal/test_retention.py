@@ -4,6 +4,9 @@ run still in flight, taking the run's history and logs along."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from tests.wal.records import T0, batch, created, note, run, skip
 from wal.store import Retention, ShardStore
@@ -33,6 +36,9 @@ def test_by_age_removes_old_runs_with_their_history_and_logs(tmp_path: Path) -> 
         now = T0 + 20 * DAY  # cutoff: T0 + 10 days
         report = store.retain(now, AGE)
         assert report.runs_deleted == 10 and report.jobs_trimmed == 1 and not report.more
+        # job 1's ten runs in one range; job 2's skip in the range before its newest run (and
+        # the empty one after it)
+        assert report.ranges == 3
         assert ats(store, 1) == [T0 + d * DAY for d in range(10, 20)]
         # job 2's only run is past the cutoff but its newest: it stays, the skip before it goes
         assert ats(store, 2) == [T0 + 3 * DAY] and report.kept_newest == 1
@@ -54,6 +60,7 @@ def test_runs_in_flight_are_kept_and_found_again_later(tmp_path: Path) -> None:
         report = store.retain(T0 + 30 * DAY, AGE)
         assert report.runs_deleted == 2 and report.kept_in_flight == 2
         assert report.kept_newest == 1  # the CANCELLED one: the job's newest
+        assert report.ranges == 4  # split around the three runs kept, not one a run deleted
         assert ats(store, 1) == [T0 + DAY, T0 + 3 * DAY, T0 + 4 * DAY]
         assert store.logs.read(1, T0 + DAY).chunks[0].data == b"still running"
         # once they finish, a later pass removes them: the time index still knows them
@@ -425,3 +432,89 @@ def test_the_age_counts_from_a_runs_end_when_its_record_says_it(tmp_path: Path) 
         assert store.retain(T0 + 34 * DAY, AGE).runs_deleted == 0
         assert store.retain(T0 + 36 * DAY, AGE).runs_deleted == 1
         assert ats(store, 1) == [T0 + 26 * DAY] and store.logs.read(1, T0).chunks == []
+
+
+# Retention deletes by ranges (ShardStore.retain: "a few range deletes" per job, "split
+# around" the runs kept), not one delete a run: deleting K old runs of a job costs the same
+# handful of range deletes whatever K is. Checked twice: what the pass reports (``ranges``) and
+# what it actually hands RocksDB (the operations in its write batch: puts, deletes and range
+# deletes alike), so that an implementation deleting key by key fails even if it reported
+# nothing.
+
+
+def retention_writes(store: ShardStore) -> list[int]:
+    """The number of operations in each retention write ``store`` makes from now on."""
+    sizes: list[int] = []
+    real = store._commit
+
+    def counting(wb: Any, doing: str, *, sync: bool = True) -> None:
+        if doing == "deleting old run history":
+            sizes.append(len(wb))
+        real(wb, doing, sync=sync)
+
+    store._commit = counting  # type: ignore[method-assign]
+    return sizes
+
+
+def many_old_runs(store: ShardStore, k: int, jobs: int = 1, *, in_flight: bool = False) -> None:
+    """``jobs`` jobs of ``k`` old final runs an hour apart, each run with a note and every
+    tenth with output, and a newest run each far later (kept by every pass below); with
+    ``in_flight``, each job's middle run still RUNNING."""
+    store.write([created(j) for j in range(1, jobs + 1)])
+    for j in range(1, jobs + 1):
+        states = ["SUCCESS"] * k
+        if in_flight:
+            states[k // 2] = "RUNNING"
+        store.write(
+            [
+                batch(j * 10_000 + i, run(j, T0 + i * HOUR, state), note(j, T0 + i * HOUR))
+                for i, state in enumerate(states)
+            ]
+        )
+        store.write([batch(j * 10_000 + k, run(j, T0 + 100 * DAY, "SUCCESS"))])
+        for i in range(0, k, 10):
+            store.logs.append(j, T0 + i * HOUR, "stdout", b"out")
+
+
+COUNT_KEEP_ONE = Retention(max_age_ms=None, max_runs_per_job=1)
+
+
+@pytest.mark.parametrize("policy", [AGE, COUNT_KEEP_ONE], ids=["by age", "by count"])
+def test_deleting_k_old_runs_costs_a_few_range_deletes_not_k(
+    tmp_path: Path, policy: Retention
+) -> None:
+    costs: dict[int, tuple[int, list[int]]] = {}
+    for k in (40, 400):
+        with open_store(tmp_path / str(k)) as store:
+            many_old_runs(store, k, jobs=3)
+            writes = retention_writes(store)
+            report = store.retain(T0 + 100 * DAY, policy)
+            assert report.runs_deleted == 3 * k and report.jobs_trimmed == 3
+            costs[k] = (report.ranges, writes)
+            for j in (1, 2, 3):  # all of it gone: runs, their notes, their output
+                assert ats(store, j) == [T0 + 100 * DAY]
+                assert store.history(j, 1000) == []
+                assert store.logs.read(j, T0).chunks == []
+    # one range a job, whatever K: 3 ranges, not 3 * K deletes
+    assert costs[40][0] == costs[400][0] == 3, costs
+    # and the write RocksDB got is as small for 400 runs a job as for 40
+    (ops40,) = costs[40][1]
+    (ops400,) = costs[400][1]
+    # (13 here: per job its runs', history's and logs' ranges and its run count; the time
+    # index's one range; key by key it would be over 3 * K)
+    assert ops40 == ops400 <= 3 * 5 + 2, costs
+
+
+@pytest.mark.parametrize("policy", [AGE, COUNT_KEEP_ONE], ids=["by age", "by count"])
+def test_a_run_kept_in_flight_splits_the_range_in_two(tmp_path: Path, policy: Retention) -> None:
+    costs: dict[int, tuple[int, list[int]]] = {}
+    for k in (40, 400):
+        with open_store(tmp_path / str(k)) as store:
+            many_old_runs(store, k, in_flight=True)
+            writes = retention_writes(store)
+            report = store.retain(T0 + 100 * DAY, policy)
+            assert report.runs_deleted == k - 1 and report.kept_in_flight == 1
+            assert ats(store, 1) == [T0 + (k // 2) * HOUR, T0 + 100 * DAY]
+            costs[k] = (report.ranges, writes)
+    assert costs[40][0] == costs[400][0] == 2, costs  # before the kept run, and after it
+    assert costs[40][1] == costs[400][1] and costs[40][1][0] <= 10, costs
