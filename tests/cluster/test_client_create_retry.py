@@ -158,6 +158,22 @@ def test_a_create_whose_reply_was_lost_returns_its_job_once_retried(tmp_path: Pa
     run_with_proxy(tmp_path, body)
 
 
+def test_a_create_without_an_id_whose_reply_was_lost_makes_one_job(tmp_path: Path) -> None:
+    """The id the library generates is made once, before the first attempt: the retry after a
+    lost reply carries the same one, so the node holds one job, the one returned (with an id
+    made per attempt it would hold two, and the caller would know of one)."""
+
+    async def body(client: Client, direct: Client, proxy: Proxy) -> None:
+        proxy.on_create = "lose_reply"
+        job = await client.create(dict(SPEC_MINE))
+        assert client.generation == 2  # the first attempt's connection broke: it was retried
+        stored = [j["job_id"] async for j in direct.list_jobs()]
+        assert stored == [job["job_id"]]
+        assert (await direct.get(job["job_id"]))["version"] == 1
+
+    run_with_proxy(tmp_path, body)
+
+
 def test_a_lost_connection_leaves_no_socket_or_writer_behind() -> None:
     """Found by a second adversarial pass: on a peer's close the reader reconnected without
     closing the old socket (CLOSE-WAIT) or ending its writer, one each per lost connection:

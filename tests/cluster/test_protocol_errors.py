@@ -4,7 +4,11 @@ argument, oversized frame or task and bad job spec with its typed error code (do
 keeps the connection, and never lets one connection's garbage harm another's requests.
 
 The node runs under ``trio.run`` inside plain test functions (no pytest-trio); each test gets its
-own node and stops it by cancelling it, which closes its stores as SIGTERM would.
+own node and stops it by cancelling it, which closes its stores as SIGTERM would. The tests of
+malformed frames, wrong types, oversized frames and tasks, and of one connection's garbage beside
+another's work, also run against a real ``tickwheel serve`` process (``NODE_KINDS``), which must
+still be serving afterwards and stop cleanly on SIGTERM: the issue asks for these with real
+processes, and a process is where a crash of the node on bad input would show (exit status, log).
 """
 
 from __future__ import annotations
@@ -24,14 +28,43 @@ from cluster.codec import DEFAULT_MAX_FRAME, FrameDecoder, Message, ProtocolErro
 from cluster.node import MAX_IN_FLIGHT, Node
 from cluster.protocol import MAX_BATCH, MAX_ERROR_FIELD, MAX_ERROR_MESSAGE, MAX_LIMIT
 from engine.jobs import MAX_TASK_BYTES
+from tests.cluster.procs import NodeProc
 
 HOST = "127.0.0.1"
 EVERY = {"every": "1h"}  # far enough that nothing fires while a test runs
 TIME_LIMIT_S = 30
 
 
-def run_with_node(tmp_path: Path, body: Callable[[int], Awaitable[None]]) -> None:
-    """Start a node on ``tmp_path``, run ``body(port)``, stop the node; bounded in time."""
+#: where the node of a test parametrized over them runs: in the test's process, or as a real
+#: ``tickwheel serve`` subprocess
+NODE_KINDS = pytest.mark.parametrize("in_process", [True, False], ids=["in-process", "process"])
+
+
+def run_with_node(
+    tmp_path: Path, body: Callable[[int], Awaitable[None]], *, in_process: bool = True
+) -> None:
+    """Start a node on ``tmp_path``, run ``body(port)``, stop the node; bounded in time.
+
+    ``in_process`` False: the node is a ``tickwheel serve`` process; after ``body`` it must
+    still be alive, and SIGTERM must stop it with status 0 (a node that crashed or wedged on
+    the bad input fails the test with its log)."""
+    if not in_process:
+        node = NodeProc(tmp_path / "data", tmp_path / "node.log")
+        try:
+
+            async def bounded() -> None:
+                with trio.fail_after(TIME_LIMIT_S):
+                    await body(node.port)
+
+            trio.run(bounded)
+            log = (tmp_path / "node.log").read_text(errors="replace")
+            assert node.alive(), f"the node died: {log[-2000:]}"
+        finally:
+            status = node.terminate()
+        log = (tmp_path / "node.log").read_text(errors="replace")
+        assert status == 0, f"the node stopped with {status}: {log[-2000:]}"
+        assert "Traceback" not in log, log[-3000:]
+        return
 
     async def main() -> None:
         with trio.fail_after(TIME_LIMIT_S):
@@ -125,7 +158,10 @@ async def assert_healthy(port: int, job_id: str) -> None:
 # =============================================================================== frames
 
 
-def test_malformed_frames_get_typed_errors_and_the_connection_carries_on(tmp_path: Path) -> None:
+@NODE_KINDS
+def test_malformed_frames_get_typed_errors_and_the_connection_carries_on(
+    tmp_path: Path, in_process: bool
+) -> None:
     bodies: list[bytes] = [
         b"\xc1",  # a byte msgpack never uses
         b"",  # an empty frame
@@ -155,7 +191,7 @@ def test_malformed_frames_get_typed_errors_and_the_connection_carries_on(tmp_pat
         assert reply["ok"] and reply["result"]["shards"] == 2
         await raw.aclose()
 
-    run_with_node(tmp_path, body)
+    run_with_node(tmp_path, body, in_process=in_process)
 
 
 def test_bad_requests_name_their_fault(tmp_path: Path) -> None:
@@ -235,8 +271,9 @@ BAD_ARGS: list[tuple[str, dict[str, Any], str]] = [
 ]
 
 
+@NODE_KINDS
 def test_wrong_unknown_and_missing_arguments_are_bad_args_naming_the_field(
-    tmp_path: Path,
+    tmp_path: Path, in_process: bool
 ) -> None:
     async def body(port: int) -> None:
         raw = await Raw.open(port)
@@ -249,7 +286,7 @@ def test_wrong_unknown_and_missing_arguments_are_bad_args_naming_the_field(
         assert error_of(reply) == ("bad_args", "specs")
         await raw.aclose()
 
-    run_with_node(tmp_path, body)
+    run_with_node(tmp_path, body, in_process=in_process)
 
 
 def test_worker_ops_need_a_hello_and_bad_reports_are_refused(tmp_path: Path) -> None:
@@ -353,8 +390,9 @@ def test_a_batch_of_final_reports_is_checked_whole_before_any_is_taken(tmp_path:
 # =============================================================================== sizes
 
 
+@NODE_KINDS
 def test_an_oversized_frame_is_refused_skipped_and_the_connection_carries_on(
-    tmp_path: Path,
+    tmp_path: Path, in_process: bool
 ) -> None:
     async def body(port: int) -> None:
         raw = await Raw.open(port)
@@ -376,10 +414,13 @@ def test_an_oversized_frame_is_refused_skipped_and_the_connection_carries_on(
         assert reply["ok"] is True
         await raw.aclose()
 
-    run_with_node(tmp_path, body)
+    run_with_node(tmp_path, body, in_process=in_process)
 
 
-def test_a_task_over_256_kib_is_invalid_job_naming_the_task(tmp_path: Path) -> None:
+@NODE_KINDS
+def test_a_task_over_256_kib_is_invalid_job_naming_the_task(
+    tmp_path: Path, in_process: bool
+) -> None:
     over = MAX_TASK_BYTES + 1
 
     async def body(port: int) -> None:
@@ -407,7 +448,7 @@ def test_a_task_over_256_kib_is_invalid_job_naming_the_task(tmp_path: Path) -> N
         assert reply["result"]["spec"]["task"]["payload"] == b"\x01" * near
         await raw.aclose()
 
-    run_with_node(tmp_path, body)
+    run_with_node(tmp_path, body, in_process=in_process)
 
 
 # =============================================================================== job specs
@@ -577,7 +618,8 @@ async def _garbage(port: int, stop: trio.Event, counts: dict[str, int]) -> None:
     await raw.aclose()
 
 
-def test_garbage_on_one_connection_never_harms_another(tmp_path: Path) -> None:
+@NODE_KINDS
+def test_garbage_on_one_connection_never_harms_another(tmp_path: Path, in_process: bool) -> None:
     created: list[str] = []
     counts: dict[str, int] = {}
 
@@ -604,7 +646,7 @@ def test_garbage_on_one_connection_never_harms_another(tmp_path: Path) -> None:
             assert caught.value.code == "exists"
             assert (await client.get("good-299"))["spec"]["task"] == {"payload": 299}
 
-    run_with_node(tmp_path, body)
+    run_with_node(tmp_path, body, in_process=in_process)
     assert created == [f"good-{i}" for i in range(300)]
     # The garbage really was sent and answered while the good client worked.
     for code in ("malformed", "unknown_op", "bad_args", "invalid_job", "frame_too_large"):
