@@ -491,6 +491,11 @@ class ShardStore:
         # disk was StoreLocked (found by test_disk_errors' tmpfs test).
         cfs.clear()
         handles.clear()
+        # And the kept failure's frames are cleared of their locals: any of them may hold a
+        # column family itself (a multi-get's ``cf`` argument, when a read failed inside a
+        # write), which no list above reaches (found by review).
+        if self._failed is not None:
+            _clear_frames_of(self._failed)
         try:
             db.close()
         except Exception:  # closing after a disk failure may report it again; it is known
@@ -620,9 +625,13 @@ class ShardStore:
                 if counts != self._counts:
                     put(b"counts", codec.pack(counts), h[_META])
                 self._commit(wb, f"writing batches {prepared[0].batch_id}..{prepared[-1].batch_id}")
-            except BaseException:
+            except BaseException as exc:
                 # The caches already hold what this group would have left; it was not written.
                 self._forget()
+                # Its traceback goes to every ticket of the group, which a driver may keep:
+                # the finished frames' locals (the write batch, a multi-get's column family)
+                # must not keep the database open past close() (see _release).
+                _clear_frames_of(exc)
                 raise
             self._last_seq = seq
             self._counts = counts
@@ -1515,6 +1524,20 @@ def _snapshot_entries(
     except (TypeError, ValueError, OverflowError) as exc:
         raise InvalidSnapshot(f"snapshot meta cannot be encoded: {exc}", path=path) from exc
     return entries, doc
+
+
+def _clear_frames_of(exc: BaseException) -> None:
+    """Drop the locals of the finished frames of ``exc``'s traceback and of the exceptions it
+    was raised from (``traceback.clear_frames`` leaves a frame still executing alone)."""
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [exc]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        traceback.clear_frames(current.__traceback__)
+        pending += [current.__cause__, current.__context__]
 
 
 def _fsync_path(path: str) -> None:

@@ -119,6 +119,41 @@ def test_a_store_failed_by_a_full_disk_closes_and_reopens_in_the_same_process(
         assert again.write([created(4, epoch=2, batch_id=4)])
 
 
+class _ReadFailsInWrites(ShardStore):
+    """A store whose reads before a write fail (as a read of a damaged table would), inside
+    the frame of a multi-get that holds the column family it reads."""
+
+    def _read_family(self, family: int, keys: list[bytes]) -> list[bytes | None]:
+        return self._multiget(self._cf[family], [object()])  # type: ignore[list-item]
+
+
+def test_a_store_whose_read_failed_inside_a_write_closes_and_reopens_in_the_same_process(
+    tmp_path: Path,
+) -> None:
+    """Found by review after the fix above: a read that fails inside a write (the counts'
+    look at what a key held) fails the group's tickets with an error whose frames held the
+    column family it read (a local of the multi-get, in no list the store empties), so the
+    database and its LOCK outlived close() while a ticket was kept."""
+    from tests.wal.records import batch, run
+    from wal.commit import GroupCommitter
+
+    with ShardStore.open(tmp_path, shard=0, shards=1, epoch=1) as first:
+        first.write([created(1)])
+    store = _ReadFailsInWrites.open(tmp_path, shard=0, shards=1, epoch=2)
+    try:
+        # A run's state change after a reopen: the caches are empty, so its old class is read.
+        claimed = batch(7, run(1, 0, "CLAIMED", tok=1), epoch=2)
+        with GroupCommitter(store) as committer:
+            ticket = committer.submit(claimed)
+            with pytest.raises(StoreError):
+                ticket.wait(5)
+    finally:
+        store.close()
+    assert isinstance(ticket.error, StoreError)  # (kept, as a driver may keep it)
+    with ShardStore.open(tmp_path, shard=0, shards=1, epoch=3) as again:
+        assert again.write([batch(8, run(1, 0, "CLAIMED", tok=1), epoch=3)])
+
+
 # ------------------------------------------------------------------------- read-only
 
 
