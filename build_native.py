@@ -14,6 +14,8 @@ their own lines. The rest of the store (``wal/``) too: its tests subclass it and
 methods, which compiled classes do not allow; what is pure CPU per batch moved to ``route``.
 
 Never run by importing: ``python build_native.py`` only, from the repository root.
+``python build_native.py --can-build`` only says whether this interpreter can build (exit 0), or
+names what is missing on stderr (exit 1): ``make native`` skips the build without it.
 """
 
 from __future__ import annotations
@@ -69,7 +71,30 @@ def _is_group_library(path: str) -> bool:
     return os.path.dirname(path) == package and os.path.basename(path).startswith(f"{name}__mypyc.")
 
 
-def main() -> None:
+def missing_for_build() -> list[str]:
+    """What this interpreter lacks to compile C extensions: the C compiler that setuptools
+    would call (``$CC``, else the one Python was built with) and Python's headers."""
+    import shlex
+    import shutil
+    import sysconfig
+
+    missing = []
+    compiler = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
+    words = shlex.split(compiler)
+    if not words or shutil.which(words[0]) is None:
+        missing.append(f"a C compiler ({words[0] if words else compiler!r} not found)")
+    headers = os.path.join(sysconfig.get_paths()["include"], "Python.h")
+    if not os.path.exists(headers):
+        missing.append(f"Python's headers ({headers} not found)")
+    return missing
+
+
+def main() -> int:
+    if sys.argv[1:] == ["--can-build"]:
+        missing = missing_for_build()
+        if missing:
+            print(f"{sys.executable} lacks {' and '.join(missing)}", file=sys.stderr)
+        return 1 if missing else 0
     # (imported here: the tests import this module for its list alone)
     from mypyc.build import mypycify
     from setuptools import setup
@@ -101,6 +126,7 @@ def main() -> None:
     # it stale: every compiled module was just built from the sources as they are.
     for compiled, _source in _extension_modules():
         os.utime(compiled)
+    return 0
 
 
 if __name__ == "__main__":
