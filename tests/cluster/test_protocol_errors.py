@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import subprocess
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -60,7 +61,11 @@ def run_with_node(
             log = (tmp_path / "node.log").read_text(errors="replace")
             assert node.alive(), f"the node died: {log[-2000:]}"
         finally:
-            status = node.terminate()
+            try:
+                status = node.terminate()
+            except subprocess.TimeoutExpired:  # wedged: killed, never left running
+                node.kill()
+                raise
         log = (tmp_path / "node.log").read_text(errors="replace")
         assert status == 0, f"the node stopped with {status}: {log[-2000:]}"
         assert "Traceback" not in log, log[-3000:]

@@ -7,8 +7,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from cluster.client import Client
-from tests.cluster.procs import NodeProc, WorkerProc, in_s, wait_until, with_client
+from tests.cluster.procs import NodeProc, WorkerProc, in_s, start_worker, wait_until, with_client
+
+pytestmark = pytest.mark.timeout(90)
 
 SLOTS = 2
 JOBS = 7  # more than three slots' worth: the worker must queue, not run them all
@@ -29,10 +33,12 @@ def _most_at_once(lines: list[str]) -> int:
 
 def test_a_worker_runs_at_most_its_slots_at_once_and_every_run_it_owes(tmp_path: Path) -> None:
     trace = tmp_path / "trace.txt"
-    node = NodeProc(tmp_path / "data", tmp_path / "node.log")
+    # A lease of 5 s, not 1: a heartbeat late on a loaded machine must not fence the worker
+    # and hand its runs out again (a second start line would read as a third task at once).
+    node = NodeProc(tmp_path / "data", tmp_path / "node.log", lease="5s")
     worker: WorkerProc | None = None
     try:
-        worker = WorkerProc(node.port, tmp_path / "worker.log", slots=SLOTS)
+        worker = start_worker(node.port, tmp_path / "worker.log", "slots-worker", slots=SLOTS)
         # Each line is one write of under PIPE_BUF bytes with O_APPEND (the shell's >>): lines
         # of tasks running side by side never interleave.
         shell = (
@@ -71,9 +77,11 @@ def test_a_worker_runs_at_most_its_slots_at_once_and_every_run_it_owes(tmp_path:
 
         assert wait_until(lambda: with_client(node.port, states) == ["SUCCESS"] * JOBS)
     finally:
-        if worker is not None:
-            worker.terminate()
-        node.terminate()
+        try:
+            if worker is not None:
+                worker.terminate()
+        finally:
+            node.terminate()
 
 
 def test_the_overlap_count_sees_a_third_task() -> None:
