@@ -1,8 +1,10 @@
 """Real node and worker processes for integration tests: started on 127.0.0.1 with ports the OS
-picks, stopped (or SIGKILLed) by the test, never left running."""
+picks, stopped (or SIGKILLed) by the test, never left running; and the ``tickwheel`` CLI and
+the client calls the tests drive them with (here, so that no test module imports another)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -16,6 +18,7 @@ from typing import Any, TypeVar
 import trio
 
 from cluster.client import Client
+from engine.schedules import format_utc
 
 T = TypeVar("T")
 _SERVING = re.compile(rb"serving \d+ shards on [\d.:a-f]+:(\d+)")  # (IPv6 hosts too)
@@ -38,9 +41,15 @@ class Proc:
         self.proc.wait(10)
 
     def terminate(self, timeout: float = 20) -> int:
-        if self.alive():
-            self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout)
+        """SIGTERM, and its exit status once it exits. One not gone within ``timeout`` is
+        SIGKILLed with its group before the ``TimeoutExpired`` goes on: a stop that fails
+        leaves no process running past the test."""
+        try:
+            if self.alive():
+                self.proc.send_signal(signal.SIGTERM)
+            return self.proc.wait(timeout)
+        finally:
+            self.kill()  # (a no-op once it exited)
 
 
 class NodeProc(Proc):
@@ -114,9 +123,32 @@ class WorkerProc(Proc):
             ],
             log,
         )
+        self.worker_id = worker_id
 
     def text(self) -> str:
         return self.log.read_text(errors="replace")
+
+    def wait_serving(self, timeout: float = 20) -> WorkerProc:
+        """Wait until the worker logs that it serves (its first hello answered): a test that
+        asserts what a worker does *not* run must know it was there to run it. One that does
+        not serve in time is SIGKILLed, and the test fails with its log."""
+        try:
+            wait_until(lambda: f"worker {self.worker_id} serving" in self.text(), timeout)
+        except AssertionError:
+            self.kill()
+            raise AssertionError(
+                f"worker {self.worker_id} did not serve: {self.text()[-2000:]}"
+            ) from None
+        return self
+
+
+def start_worker(port: int, log: Path, worker_id: str, *tiers: str, slots: int = 4) -> WorkerProc:
+    """A ``tickwheel worker`` on ``tiers`` (none: the default tier) of the node at ``port``,
+    returned once it serves. ``--drain 0s``: its stop ends it at once, not after the default
+    30 s drain."""
+    extra = [arg for tier in tiers for arg in ("--tier", tier)]
+    worker = WorkerProc(port, log, *extra, "--drain", "0s", slots=slots, worker_id=worker_id)
+    return worker.wait_serving()
 
 
 def with_client(port: int, body: Callable[[Client], Awaitable[T]], timeout: float = 60) -> T:
@@ -140,6 +172,55 @@ def wait_until(predicate: Callable[[], Any], timeout: float = 30, step: float = 
 
 def in_s(seconds: float) -> dict[str, str]:
     """A one-shot schedule ``seconds`` from now."""
-    from engine.schedules import format_utc
-
     return {"at": format_utc(int((time.time() + seconds) * 1000))}
+
+
+# ------------------------------------------------------------------ the CLI and the client
+
+
+def tw(
+    *args: str, timeout: float = 60, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``tickwheel ARGS`` (no --connect added), with ``env`` added to the environment."""
+    return subprocess.run(
+        [sys.executable, "-m", "cluster.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONIOENCODING": "utf-8", **(env or {})},
+    )
+
+
+def cli(node: NodeProc, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return tw(*args, "--connect", f"127.0.0.1:{node.port}", timeout=timeout)
+
+
+def clean_failure(done: subprocess.CompletedProcess[str], status: int = 1) -> str:
+    """The stderr of a command that failed with ``status`` and one error line, no traceback."""
+    assert done.returncode == status, (done.returncode, done.stdout, done.stderr)
+    assert "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.startswith("error "), done.stderr
+    return done.stderr
+
+
+def ok(done: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
+    assert done.returncode == 0, (done.returncode, done.stdout, done.stderr)
+    return done
+
+
+def job(node: NodeProc, job_id: str) -> dict[str, Any]:
+    result: dict[str, Any] = json.loads(ok(cli(node, "job", "get", job_id, "--json")).stdout)
+    return result
+
+
+def history(port: int, job_id: str) -> list[dict[str, Any]]:
+    async def body(c: Client) -> list[dict[str, Any]]:
+        return await c.history(job_id, last=50)
+
+    return with_client(port, body)
+
+
+def run_state(port: int, job_id: str) -> str | None:
+    """The state of job ``job_id``'s newest run (None: it has none)."""
+    runs = history(port, job_id)
+    return str(runs[0]["state"]) if runs else None

@@ -6,7 +6,6 @@ exact)."""
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -25,7 +24,7 @@ from cluster.worker import WorkerAgent
 from engine.effects import RunTicket
 from engine.jobs import validate_job_id
 from engine.schedules import format_utc
-from tests.cluster.procs import NodeProc, with_client
+from tests.cluster.procs import NodeProc, clean_failure, cli, tw, with_client
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -36,31 +35,6 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProc]:
     proc = NodeProc(root / "data", root / "node.log")
     yield proc
     proc.kill()
-
-
-def tw(
-    *args: str, timeout: float = 60, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess[str]:
-    """``tickwheel ARGS`` (no --connect added), with ``env`` added to the environment."""
-    return subprocess.run(
-        [sys.executable, "-m", "cluster.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "PYTHONIOENCODING": "utf-8", **(env or {})},
-    )
-
-
-def cli(node: NodeProc, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return tw(*args, "--connect", f"127.0.0.1:{node.port}", timeout=timeout)
-
-
-def clean_failure(done: subprocess.CompletedProcess[str], status: int = 1) -> str:
-    """The stderr of a command that failed with ``status`` and one error line, no traceback."""
-    assert done.returncode == status, (done.returncode, done.stdout, done.stderr)
-    assert "Traceback" not in done.stderr, done.stderr
-    assert done.stderr.startswith("error "), done.stderr
-    return done.stderr
 
 
 def run_payload(

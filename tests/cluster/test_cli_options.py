@@ -30,10 +30,19 @@ from typing import Any
 
 import pytest
 
-from tests.cluster.procs import NodeProc, WorkerProc, wait_until
-from tests.cluster.test_cli import clean_failure, cli
-from tests.cluster.test_cli_update import job, ok
-from tests.cluster.test_node_processes import history
+from engine.schedules import parse_instant
+from tests.cluster.procs import (
+    NodeProc,
+    WorkerProc,
+    clean_failure,
+    cli,
+    history,
+    job,
+    ok,
+    run_state,
+    start_worker,
+    wait_until,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -54,32 +63,11 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProc]:
     proc.kill()
 
 
-def start_worker(node: NodeProc, log: Path, worker_id: str, *tiers: str) -> WorkerProc:
-    """A ``tickwheel worker`` on ``tiers`` (none: the default tier), returned once it serves:
-    a test that asserts what a worker does *not* run must know it was there to run it."""
-    extra = [arg for tier in tiers for arg in ("--tier", tier)]
-    # --drain 0s: a test's end stops it at once rather than after the default 30 s drain.
-    worker = WorkerProc(node.port, log, *extra, "--drain", "0s", slots=4, worker_id=worker_id)
-    try:
-        wait_until(lambda: f"worker {worker_id} serving" in worker.text(), timeout=20)
-    except AssertionError:
-        worker.kill()
-        raise AssertionError(f"worker {worker_id} did not serve: {worker.text()[-2000:]}") from None
-    return worker
-
-
-def stop_worker(worker: WorkerProc) -> None:
-    try:
-        worker.terminate(timeout=15)
-    finally:
-        worker.kill()  # (a no-op once it exited; its whole group if it hung)
-
-
 @pytest.fixture(scope="module")
 def worker(node: NodeProc, tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProc]:
-    proc = start_worker(node, tmp_path_factory.mktemp("worker") / "worker.log", "w-opts", TIER)
+    proc = start_worker(node.port, tmp_path_factory.mktemp("worker") / "worker.log", "w-opts", TIER)
     yield proc
-    stop_worker(proc)
+    proc.terminate(timeout=15)
 
 
 def run_ids(node: NodeProc, job_id: str) -> set[str]:
@@ -274,32 +262,60 @@ def test_job_cancel_ends_the_job_and_cancels_its_pending_runs(node: NodeProc) ->
     assert listed["cancel-me"]["cancelled"] is True and listed["cancel-me"]["next_fire"] is None
 
 
-def run_state(node: NodeProc, job_id: str) -> str | None:
-    runs = history(node.port, job_id)
-    return str(runs[0]["state"]) if runs else None
+def gone(pid: int) -> bool:
+    """Whether process ``pid`` has ended (a zombie not reaped yet counts as ended)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return stat.rpartition(")")[2].split()[0] == "Z"
+
+
+def after_go(go: Path, then: str) -> str:
+    """A task's shell line: wait for the test to make the file ``go``, then run ``then``.
+    The file is looked for every 50 ms, at most 1200 times (a minute or more), so that a task
+    the test never releases does not run forever: it fails then, without running ``then``."""
+    at = shlex.quote(str(go))
+    wait = f"i=0; while [ ! -e {at} ] && [ $i -lt 1200 ]; do sleep 0.05; i=$((i+1)); done"
+    return f"{wait}; [ -e {at} ] && {then}"
 
 
 def test_cancel_stop_running_stops_a_running_task_and_plain_cancel_lets_it_finish(
     node: NodeProc, worker: WorkerProc, tmp_path: Path
 ) -> None:
-    # Each task leaves a file if it runs to its end. The stopped one would have left its file
-    # two seconds before the other one ends: its absence then shows it was killed.
+    # Both tasks wait for the file `go`, which the test makes only once both cancels are
+    # done, and then leave their own file: neither can end on its own while the test looks
+    # (a fixed sleep could, on a loaded machine). The stopped one also writes its pid.
+    go, pid_file = tmp_path / "go", tmp_path / "stopped-task.pid"
     stopped, finished = tmp_path / "stopped-task-ended", tmp_path / "plain-task-ended"
     for job_id, line in (
-        ("stop-me", f"sleep 2; touch {shlex.quote(str(stopped))}"),
-        ("let-run", f"sleep 4; touch {shlex.quote(str(finished))}"),
+        (
+            "stop-me",
+            f"echo $$ > {shlex.quote(str(pid_file))}; "
+            + after_go(go, f"touch {shlex.quote(str(stopped))}"),
+        ),
+        ("let-run", after_go(go, f"touch {shlex.quote(str(finished))}")),
     ):
         ok(cli(node, "submit", "--id", job_id, "--in", "1s", "--tier", TIER, "--shell", line))
-    wait_until(lambda: all(run_state(node, j) == "RUNNING" for j in ("stop-me", "let-run")), 15)
-    ok(cli(node, "job", "cancel", "stop-me", "--stop-running"))
-    ok(cli(node, "job", "cancel", "let-run"))
-    for job_id in ("stop-me", "let-run"):
-        assert "not_found" in clean_failure(cli(node, "job", "get", job_id))
-    # --stop-running: the run is CANCELLED by the node at once, its task killed.
-    wait_until(lambda: run_state(node, "stop-me") == "CANCELLED", timeout=5)
-    # Without it the run carries on to its end (docs/protocol.md, job.cancel).
-    assert run_state(node, "let-run") == "RUNNING"
-    wait_until(lambda: run_state(node, "let-run") == "SUCCESS", timeout=15)
+    try:
+        wait_until(
+            lambda: all(run_state(node.port, j) == "RUNNING" for j in ("stop-me", "let-run")), 15
+        )
+        ok(cli(node, "job", "cancel", "stop-me", "--stop-running"))
+        ok(cli(node, "job", "cancel", "let-run"))
+        for job_id in ("stop-me", "let-run"):
+            assert "not_found" in clean_failure(cli(node, "job", "get", job_id))
+        # --stop-running: the run is CANCELLED by the node at once, its task killed.
+        wait_until(lambda: run_state(node.port, "stop-me") == "CANCELLED", timeout=15)
+        pid = int(wait_until(lambda: pid_file.read_text().strip() if pid_file.exists() else ""))
+        wait_until(lambda: gone(pid), timeout=15)
+        # Without it the run carries on (docs/protocol.md, job.cancel): still waiting for go.
+        assert run_state(node.port, "let-run") == "RUNNING"
+    finally:
+        go.touch()  # (also on a failure: no task is left waiting in the module's worker)
+    # ... and runs to its end once released, while the stopped task, released too, never
+    # got to leave its file.
+    wait_until(lambda: run_state(node.port, "let-run") == "SUCCESS", timeout=15)
     assert finished.exists()
     assert not stopped.exists(), worker.text()[-2000:]
     runs = json.loads(ok(cli(node, "runs", "stop-me", "--json")).stdout)
@@ -319,8 +335,11 @@ def test_pause_stops_the_fires_and_resume_starts_them_again(
         assert (paused["paused"], paused["next_fire"]) == (True, None), paused
         got = job(node, "pulse")
         assert (got["paused"], got["next_fire_ms"]) == (True, None), got
-        # (a moment for a fire decided just before the pause to be readable, then none more)
-        time.sleep(0.3)
+        # No wait for a fire decided just before the pause: the shard's engine takes commands
+        # one at a time, and answers the pause only once its batch is durable (batches become
+        # durable in order, and the store shows a batch before its fsync returns), so every
+        # run it fired before the pause is in the store now; after the pause it fires none
+        # (engine/shard.py, _pause, _reply_after_durable, _on_durable).
         before = run_ids(node, "pulse")
         time.sleep(2.0)  # six periods of the job
         assert run_ids(node, "pulse") == before, "a run fired while the job was paused"
@@ -340,9 +359,9 @@ def test_runs_last_n_gives_the_n_newest_newest_first(node: NodeProc, worker: Wor
     ok(cli(node, "submit", "--id", "many", "--every", "200ms", "--tier", TIER, "--shell", "true"))
     try:
         wait_until(lambda: len(run_ids(node, "many")) >= 8, timeout=15)
-        # Paused, so that the runs stored stay the same while they are read several ways.
+        # Paused, so that the runs stored stay the same while they are read several ways
+        # (every run fired before the pause is stored by its answer: see the pause test).
         ok(cli(node, "job", "pause", "many"))
-        time.sleep(0.3)
         every = history(node.port, "many")  # (at most 50: far fewer exist)
         assert len(every) > 3
         newest = sorted((r["scheduled_ms"] for r in every), reverse=True)[:3]
@@ -367,7 +386,7 @@ def test_runs_last_n_gives_the_n_newest_newest_first(node: NodeProc, worker: Wor
 def test_a_worker_runs_the_jobs_of_its_tier_and_a_default_worker_does_not(
     node: NodeProc, tmp_path: Path
 ) -> None:
-    default = start_worker(node, tmp_path / "default.log", "w-default")
+    default = start_worker(node.port, tmp_path / "default.log", "w-default")
     named = None
     try:
         ok(
@@ -378,19 +397,21 @@ def test_a_worker_runs_the_jobs_of_its_tier_and_a_default_worker_does_not(
         # The control: a default-tier job due at the same time, which the default worker
         # does run (so it was there, serving, when it left the other one alone).
         ok(cli(node, "submit", "--id", "untiered", "--in", "1s", "--shell", "true"))
-        wait_until(lambda: run_state(node, "untiered") == "SUCCESS", timeout=15)
+        wait_until(lambda: run_state(node.port, "untiered") == "SUCCESS", timeout=15)
         assert history(node.port, "untiered")[0]["worker"] == "w-default"
         (run,) = history(node.port, "tiered")
         assert (run["state"], run["worker"]) == ("PENDING", None), run
         assert "no worker serves tier 'gpu-5'" in (run.get("waiting") or ""), run
-        named = start_worker(node, tmp_path / "named.log", "w-gpu", "gpu-5")
-        wait_until(lambda: run_state(node, "tiered") == "SUCCESS", timeout=15)
+        named = start_worker(node.port, tmp_path / "named.log", "w-gpu", "gpu-5")
+        wait_until(lambda: run_state(node.port, "tiered") == "SUCCESS", timeout=15)
         (run,) = history(node.port, "tiered")
         assert (run["state"], run["worker"]) == ("SUCCESS", "w-gpu"), run
     finally:
-        stop_worker(default)
-        if named is not None:
-            stop_worker(named)
+        try:
+            default.terminate(timeout=15)
+        finally:
+            if named is not None:
+                named.terminate(timeout=15)
 
 
 # ------------------------------------------------------------------ 6. submit's output
@@ -433,7 +454,5 @@ def test_submit_prints_the_job_id_and_its_next_fire_time(node: NodeProc) -> None
     found = line.fullmatch(done.stdout)
     assert found is not None and found.group(1) == "text-in", done.stdout
     assert found.group(2) == job(node, "text-in")["spec"]["schedule"]["at"]
-    from engine.schedules import parse_instant
-
     in_s = parse_instant(found.group(2), field="next fire") / 1000 - started
     assert 3600 - 5 < in_s < 3600 + 30, in_s

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,8 +14,7 @@ import trio
 
 from cluster import commands
 from cluster.cli import build_parser
-from tests.cluster.procs import NodeProc
-from tests.cluster.test_cli import clean_failure, cli
+from tests.cluster.procs import NodeProc, clean_failure, cli, job, ok
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -27,16 +25,6 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProc]:
     proc = NodeProc(root / "data", root / "node.log")
     yield proc
     proc.kill()
-
-
-def ok(done: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
-    assert done.returncode == 0, (done.returncode, done.stdout, done.stderr)
-    return done
-
-
-def job(node: NodeProc, job_id: str) -> dict[str, Any]:
-    result: dict[str, Any] = json.loads(ok(cli(node, "job", "get", job_id, "--json")).stdout)
-    return result
 
 
 def submit_file(node: NodeProc, tmp_path: Path, *specs: dict[str, Any]) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from cluster.client import Client
-from tests.cluster.procs import NodeProc, WorkerProc, in_s, wait_until, with_client
+from tests.cluster.procs import NodeProc, WorkerProc, history, in_s, wait_until, with_client
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -30,13 +30,6 @@ def cli(port: int, *args: str) -> subprocess.CompletedProcess[str]:
         text=True,
         timeout=60,
     )
-
-
-def history(port: int, job_id: str) -> list[dict[str, Any]]:
-    async def body(c: Client) -> list[dict[str, Any]]:
-        return await c.history(job_id, last=50)
-
-    return with_client(port, body)
 
 
 def settled(port: int, job_ids: list[str], n: int = 1) -> dict[str, list[dict[str, Any]]] | None:
