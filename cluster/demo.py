@@ -35,13 +35,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
 from rich.console import Console
 from rich.markup import escape
 
+from cluster.runner import format_scheduled_at
 from engine.runs import FINAL_VALUES
 
 T = TypeVar("T")
@@ -270,12 +270,6 @@ def runs_problem(
     return not_yet, False
 
 
-def scheduled_at(scheduled_ms: int) -> str:
-    """``TICKWHEEL_SCHEDULED_AT`` of a run (docs/tasks.md: ISO 8601 UTC with milliseconds)."""
-    at = datetime.fromtimestamp(scheduled_ms // 1000, UTC)
-    return f"{at:%Y-%m-%dT%H:%M:%S}.{scheduled_ms % 1000:03d}Z"
-
-
 def expect_output(
     done: subprocess.CompletedProcess[str], run_id: str, stdout: str, stderr: str | None = None
 ) -> None:
@@ -398,7 +392,9 @@ def tour(
     expect_output(logs, report, "building the report\n1\n2\n3\n", "done\n")
     beat = of("heartbeat")[0]
     logs = tickwheel("logs", beat["run_id"], env=env)
-    expect_output(logs, beat["run_id"], f"cron fired at {scheduled_at(beat['scheduled_ms'])}\n")
+    expect_output(
+        logs, beat["run_id"], f"cron fired at {format_scheduled_at(beat['scheduled_ms'])}\n"
+    )
     overrun = of("overrun")[0]["run_id"]
     tickwheel("run", overrun, env=env)
     logs = tickwheel("logs", overrun, env=env)

@@ -71,6 +71,15 @@ def stopped_cleanly(done: subprocess.CompletedProcess[str]) -> None:
     assert not workdir_of(done).exists()
 
 
+def failed_demo(expect: str) -> tuple[subprocess.CompletedProcess[str], str]:
+    """The demo run with ``expect`` (:data:`cluster.demo.EXPECT_ENV`), which must fail it with
+    status 1, everything stopped cleanly: the run and its one line of reason."""
+    done = run_demo(expect)
+    assert done.returncode == 1, f"{done.stdout}\n{done.stderr}"
+    stopped_cleanly(done)
+    return done, failure_line(done)
+
+
 def failure_line(done: subprocess.CompletedProcess[str]) -> str:
     """The demo's reason: the last line on stderr, and one line."""
     lines = done.stderr.strip().splitlines()
@@ -101,26 +110,20 @@ def test_the_demo_passes_and_shows_its_runs_and_logs() -> None:
 @pytest.mark.slow
 def test_a_run_in_another_state_than_expected_fails_the_demo() -> None:
     # The overrun cannot end SUCCESS: its task sleeps 30 s under a 2 s timeout.
-    done = run_demo("overrun=SUCCESS")
-    assert done.returncode == 1, f"{done.stdout}\n{done.stderr}"
-    line = failure_line(done)
+    done, line = failed_demo("overrun=SUCCESS")
     assert re.search(r"overrun@\d+ TIMED_OUT .*expected SUCCESS", line), line
     assert "demo passed" not in done.stdout
     assert "what happened" not in done.stdout  # (failed before showing the runs as checked)
-    stopped_cleanly(done)
 
 
 @pytest.mark.slow
 def test_a_worker_check_that_cannot_hold_fails_the_demo_early() -> None:
     # The every-job's first run is how the demo knows the worker is there: expected FAILED,
     # the SUCCESS it gets fails the demo before the other jobs are registered.
-    done = run_demo("poller=FAILED")
-    assert done.returncode == 1, f"{done.stdout}\n{done.stderr}"
-    line = failure_line(done)
+    done, line = failed_demo("poller=FAILED")
     assert re.search(r"first run: poller@\d+ SUCCESS .*expected FAILED", line), line
     assert "--id heartbeat" not in done.stdout
     assert "--- the end of the worker's log ---" in done.stderr
-    stopped_cleanly(done)
 
 
 def test_a_bad_expectation_is_refused_before_anything_starts() -> None:

@@ -71,8 +71,7 @@ def test_a_worker_runs_at_most_its_slots_at_once_and_every_run_it_owes(tmp_path:
         async def states(client: Client) -> list[str]:
             out = []
             for i in range(JOBS):
-                history = await client.request("run.history", {"job_id": f"slot-{i}"})
-                out += [run["state"] for run in history["runs"]]
+                out += [run["state"] for run in await client.history(f"slot-{i}")]
             return out
 
         assert wait_until(lambda: with_client(node.port, states) == ["SUCCESS"] * JOBS)
