@@ -1751,6 +1751,10 @@ class Node:
         if if_version is not None and if_version < 1:
             raise BadArgs("if_version: must be >= 1", None, "if_version")
         host = self.host_of(job_id)
+        # A cancelled job (its spec still stored) is not_found, as the engine would answer,
+        # before its changes are checked: an invalid change to it was answered invalid_job
+        # (found by review).
+        host.engine.next_owed(job_id)  # raises JobNotFound
         deadline = trio.current_time() + UPDATE_MERGE_S
         while True:
             stored = host.store.job(job_id)
@@ -1882,7 +1886,14 @@ class Node:
         # creation, which a preview strictly after now left out (found by review).
         past_at = by_id and "at" in schedule and owed is not None and owed < now
         start = owed - 1 if past_at and owed is not None else now - 1
+        # A one-shot schedule previewed for a create: a time already past is owed, and fires
+        # at once (found by review: shown with no fire at all).
+        new_at = not by_id and isinstance(schedule, dict) and "at" in schedule
+        if new_at:
+            start = -1  # (at is 1970 or later: every one-shot time is after this)
         result = preview(schedule, count, start, job_id=job_id, created_ms=now).to_dict()
+        if new_at and result["fires"] and result["fires"][0]["at_ms"] < now:
+            result["fires"][0]["note"] = "past: fires at once"
         if by_id:
             result["paused"] = paused
             if past_at and result["fires"]:
@@ -1909,6 +1920,8 @@ class Node:
         result = _run_result(job_id, record)
         if host.engine.marked_running(args["run_id"]):
             result["marked_running"] = True  # final TIMED_OUT, its task still runs (mark)
+        if host.engine.task_stopping(args["run_id"]):
+            result["stopping"] = True  # final by a stop (a cancel...), its task not ended yet
         waiting = host.engine.waiting_reason(args["run_id"])
         if waiting is not None:
             result["waiting"] = waiting  # found by the fourth adversarial pass: PENDING, no why
@@ -1979,6 +1992,10 @@ class Node:
             # A run final as TIMED_OUT under on_timeout=mark whose task still runs (and
             # writes output): a follower goes on until this turns false.
             "marked_running": host.engine.marked_running(args["run_id"]),
+            # Final by the engine's decision (a cancel with stop_running, cancel_previous) and
+            # its task asked to stop: it may write through its stop's grace (found by review:
+            # a follower ended at the CANCELLED record and missed the task's last lines).
+            "stopping": host.engine.task_stopping(args["run_id"]),
         }
 
     # ---- workers
@@ -2037,11 +2054,15 @@ class Node:
     def _heartbeat(self, conn: Connection, args: dict[str, Any]) -> Any:
         session = conn.worker
         assert session is not None
-        session.heard_ms = mono_ms()
         held = _held(args.get("held", []))
         raw_seen = args.get("seen")
         seen = _seen(raw_seen, self.shards) if raw_seen is not None else [-1] * self.shards
-        for host, mine in zip(self.hosts, self._by_shard(held), strict=True):
+        by_shard = self._by_shard(held)  # (refuses a held entry that is no run id)
+        # Heard only once the heartbeat is known good: one refused renews nothing in the
+        # engine, so it must not keep the id held against another process either (found by
+        # review: a worker sending only bad heartbeats had its runs lost and its id blocked).
+        session.heard_ms = mono_ms()
+        for host, mine in zip(self.hosts, by_shard, strict=True):
             host.tell(Heartbeat(session.worker_id, mine, session.instance, seen[host.index]))
         return {"lease_ms": self.config.worker_lease_ms}
 
@@ -2067,6 +2088,10 @@ class Node:
         session = conn.worker
         assert session is not None
         rid = args["run_id"]
+        # Checked before the report is taken: refused after it, the report would be applied
+        # and the worker told it was not, and send it again (found by review).
+        if "credits" in args and not 0 <= args["credits"] <= MAX_WORKER_SLOTS:
+            raise BadArgs(f"credits: must be in 0..{MAX_WORKER_SLOTS}", None, "credits")
         host = self._host_of_run(rid, final=True)
         host.tell(
             ReportFinished(
@@ -2310,8 +2335,8 @@ def _seen(raw: list[Any], shards: int) -> list[int]:
         if (
             not isinstance(item, list)
             or len(item) != 2
-            or not isinstance(item[0], int)
-            or not isinstance(item[1], int)
+            or type(item[0]) is not int  # (not isinstance: a bool is no integer here)
+            or type(item[1]) is not int
             or item[1] < 0
         ):
             raise BadArgs(f"seen[{i}]: must be [shard, seq], seq >= 0", None, f"seen[{i}]")
@@ -2330,7 +2355,7 @@ def _held(raw: list[Any]) -> tuple[tuple[str, int], ...]:
             not isinstance(item, list)
             or len(item) != 2
             or not isinstance(item[0], str)
-            or not isinstance(item[1], int)
+            or type(item[1]) is not int  # (not isinstance: a bool is no token)
         ):
             raise BadArgs(f"held[{i}]: must be [run_id, token]", None, f"held[{i}]")
         out.append((item[0], item[1]))

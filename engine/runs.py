@@ -86,8 +86,10 @@ def transition(state: RunState, event: RunEvent) -> RunState:
 # ---------------------------------------------------------------------------- run ids
 
 #: (matched whole with fullmatch: ``$`` also matches before a final newline, and
-#: ``"j@1\n"`` was taken for ``j@1``, found by review)
-_RUN_ID_RE: Final = re.compile(r"(?P<job>[A-Za-z0-9._:-]{1,200})@(?P<ms>[0-9]{1,19})")
+#: ``"j@1\n"`` was taken for ``j@1``, found by review). The time in canonical digits only, no
+#: leading zero: ``j@01`` named the run ``j@1`` under another string, which the node's caches
+#: keyed by the text did not know (found by review).
+_RUN_ID_RE: Final = re.compile(r"(?P<job>[A-Za-z0-9._:-]{1,200})@(?P<ms>0|[1-9][0-9]{0,18})")
 
 
 def run_id(job_id: str, scheduled_ms: int) -> str:

@@ -61,6 +61,9 @@ _MAX_S: Final = 253_402_300_799 - 2 * 86_400
 #: after now.)
 MIN_INSTANT_MS: Final = 0
 MAX_INSTANT_MS: Final = 253_402_300_799_999
+#: 0001-01-01T00:00:00Z: the earliest instant whose stored text (format_utc) parse_instant reads
+#: back; a schedule's ``start`` and ``end`` may be before 1970, not before this
+EARLIEST_STORABLE_MS: Final = -62_135_596_800_000
 
 KINDS: Final = ("cron", "at", "every")
 _COMMON_KEYS: Final = frozenset({"end", "jitter"})
@@ -897,8 +900,17 @@ class EverySchedule(Schedule):
 
 def _bounded(text: object, field: str, *, lower: bool = False) -> int:
     """:func:`parse_instant`, refusing an instant after ``MAX_INSTANT_MS`` and, with ``lower``
-    (a fire time itself), before ``MIN_INSTANT_MS`` (:class:`ScheduleError` naming ``field``)."""
+    (a fire time itself), before ``MIN_INSTANT_MS``; without it, before year 1 in UTC, which
+    :func:`format_utc` would store as a text :func:`parse_instant` cannot read back (found by
+    review: a ``start`` of 0001-01-01T00:00:00+14:00 was accepted, stored as year 0, and the
+    node could not recover the shard). :class:`ScheduleError` naming ``field``."""
     ms = parse_instant(text, field=field)
+    if not lower and ms < EARLIEST_STORABLE_MS:
+        raise ScheduleError(
+            f"{text!r} is before 0001-01-01T00:00:00Z in UTC, the earliest time a schedule "
+            "can store",
+            field=field,
+        )
     if lower and ms < MIN_INSTANT_MS:
         raise ScheduleError(
             f"{format_utc(ms)} is before 1970-01-01T00:00:00Z, the earliest time a schedule "

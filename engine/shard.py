@@ -131,6 +131,8 @@ _SETBACK_POLL_MS = 1000
 _SETBACK_NOISE_MS = 50
 #: entries of ShardEngine._trigger_at past which those already in the past are dropped
 _TRIGGER_AT_PRUNE = 1024
+#: entries of ShardEngine._stopping_final past which those past their time are dropped
+_STOPPING_PRUNE = 1024
 #: milliseconds after now a triggered run's time is looked for in
 _TRIGGER_SEARCH_MS = 64
 #: how long after the wall clock was set back a step forward back to where it was is taken for
@@ -537,6 +539,14 @@ class ShardEngine:
         # into run ids once the jobs are known (_after_recovery).
         self._marked: dict[str, tuple[int, str]] = {}
         self._marks_recovered: dict[RunRef, tuple[int, str]] = {}
+        # Runs the engine made final while their task still ran (cancelled with
+        # stop_running, cancel_previous, a timeout decided unconfirmed) and whose worker was
+        # asked to stop it: run id -> (token, worker, until mono ms). The task may write
+        # output through its stop's grace, so a follower of its logs goes on until its
+        # worker's report ends the entry, or the worker is lost, or says hello without it;
+        # at the latest after reattach_grace_ms. Not recorded: after a restart it is unknown
+        # (task_stopping answers False), as for a query about a run this engine never had.
+        self._stopping_final: dict[str, tuple[int, str, int]] = {}
         # After a restart: when the recovered marks of workers that never said hello again
         # are dropped (a mark lives while its worker's lease does; such a worker has none).
         self._marks_expire_mono: int | None = None
@@ -1712,6 +1722,7 @@ class ShardEngine:
                     self._after_durable.append(
                         Kill(run.worker, self._run_id(run), run.token, "job cancelled")
                     )
+                    self._note_stopping(run, run.worker)
                 self._finalize(run, RunEvent.CANCEL, why="job cancelled")
             else:
                 # It carries on to its end, as this version's last run: no retry, and no
@@ -2080,6 +2091,7 @@ class ShardEngine:
                     self._after_durable.append(
                         Kill(prev.worker, self._run_id(prev), prev.token, "cancel_previous")
                     )
+                    self._note_stopping(prev, prev.worker)
                 self._finalize(prev, RunEvent.CANCEL, why="cancel_previous")
         run = _Run(key, at, self._ver[key], pid, policy, source=source, depth=depth)
         # Its creating record is in this call's batch: no dispatch of it before that is durable
@@ -2302,9 +2314,26 @@ class ShardEngine:
             for rid, (_t, w) in list(self._marked.items()):
                 if w == worker.worker_id and rid not in announced:
                     self._end_mark(rid, "its worker no longer holds it")
+        if self._stopping_final:
+            held_ids = {rid for rid, _token in cmd.held}
+            for rid, (_t, w, _until) in list(self._stopping_final.items()):
+                if w == worker.worker_id and rid not in held_ids:
+                    del self._stopping_final[rid]  # it ended without a report
         self._renew(worker, cmd.held)
         for run in again:
             self._send_again(worker, run)
+
+    def _note_stopping(self, run: _Run, worker_id: str) -> None:
+        """``run``, about to be made final, has a task its worker is asked to stop (see
+        :attr:`_stopping_final`). Entries past their time are dropped here, so that the map
+        holds no more than the stops of the last reattach grace."""
+        stopping = self._stopping_final
+        if len(stopping) >= _STOPPING_PRUNE:
+            mono = self._mono
+            for rid in [r for r, (_t, _w, until) in stopping.items() if until <= mono]:
+                del stopping[rid]
+        until = self._mono + self.config.reattach_grace_ms
+        stopping[self._run_id(run)] = (run.token, worker_id, until)
 
     def _end_mark(self, rid: str, why: str) -> None:
         """Forget the mark of ``rid`` (on_timeout=mark), recorded as a note, as the task's
@@ -2456,6 +2485,9 @@ class ShardEngine:
         self._free_slots.append(slot)
         for rid in [rid for rid, (_t, w) in self._marked.items() if w == worker_id]:
             self._end_mark(rid, "its worker's lease lapsed")
+        if self._stopping_final:
+            for rid in [r for r, (_t, w, _u) in self._stopping_final.items() if w == worker_id]:
+                del self._stopping_final[rid]
         for ref in sorted(worker.runs):
             run = self._runs.get(ref)
             if run is not None and run.worker == worker_id:
@@ -2708,8 +2740,12 @@ class ShardEngine:
                 return run
         # A report of a superseded attempt (or of a run already final): kept in the history,
         # never changes the state.
-        if what not in ("started",) and self._marked.get(rid, (None, None))[0] == token:
-            del self._marked[rid]  # the marked task ended
+        if what not in ("started",):
+            if self._marked.get(rid, (None, None))[0] == token:
+                del self._marked[rid]  # the marked task ended
+            stopping = self._stopping_final.get(rid)
+            if stopping is not None and stopping[0] == token:
+                del self._stopping_final[rid]  # the task stopped
         try:
             job_id, at = parse_run_id(rid)
         except EngineUsageError:
@@ -2771,6 +2807,7 @@ class ShardEngine:
             # flight with its timeout still to come, and a task killed meanwhile would report
             # "killed", a failure, instead of the timeout's handler.
             self._after_durable.append(Kill(run.worker, self._run_id(run), run.token, "timed out"))
+            self._note_stopping(run, run.worker)
         run.timeouts += 1
         retry_ok = confirmed or policy.delivery == "at_least_once"
         gone = self._orphaned(run)
@@ -2993,6 +3030,15 @@ class ShardEngine:
         restart keeps it while the worker says hello again within the reattach grace and its
         lease)."""
         return rid in self._marked
+
+    def task_stopping(self, rid: str) -> bool:
+        """Whether run ``rid`` is final by this engine's decision (cancelled with
+        ``stop_running``, by ``cancel_previous``, or timed out without its worker's
+        confirmation) while its task, asked to stop, may still run and write output: until
+        its worker reports the task's end, is lost, or says hello without it; at most
+        ``reattach_grace_ms`` after the decision. Not recorded: False after a restart."""
+        entry = self._stopping_final.get(rid)
+        return entry is not None and entry[2] > self._mono
 
     def paused(self, job_id: str) -> bool:
         """Whether job ``job_id`` is paused. Raises :class:`JobNotFound` as ``GetJob`` would

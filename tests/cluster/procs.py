@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -15,9 +16,11 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+import msgpack
 import trio
 
 from cluster.client import Client
+from cluster.codec import FrameDecoder, Message, ProtocolError
 from engine.schedules import format_utc
 
 T = TypeVar("T")
@@ -224,3 +227,93 @@ def run_state(port: int, job_id: str) -> str | None:
     """The state of job ``job_id``'s newest run (None: it has none)."""
     runs = history(port, job_id)
     return str(runs[0]["state"]) if runs else None
+
+
+class Raw:
+    """A bare protocol connection to a node on 127.0.0.1: whatever bytes or requests we like
+    out (no client-side checks), decoded frames in, pushes kept apart from replies."""
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        self.decoder = FrameDecoder()
+        self.pushes: list[Message] = []
+        self.next_id = 0
+
+    @classmethod
+    async def open(cls, port: int) -> Raw:
+        return cls(await trio.open_tcp_stream("127.0.0.1", port))
+
+    async def send_bytes(self, data: bytes) -> None:
+        await self.stream.send_all(data)
+
+    async def send_body(self, body: bytes) -> None:
+        """One frame around ``body``, whatever it holds."""
+        await self.stream.send_all(struct.pack(">I", len(body)) + body)
+
+    async def send(self, message: Any) -> None:
+        await self.send_body(msgpack.packb(message, use_bin_type=True))
+
+    async def receive(self) -> Message:
+        """The next reply (pushes are set aside)."""
+        while True:
+            event = self.decoder.next_event()
+            if event is None:
+                data = await self.stream.receive_some(1 << 16)
+                assert data, "the node closed the connection"
+                self.decoder.feed(data)
+                continue
+            assert not isinstance(event, ProtocolError), event
+            if "push" in event:
+                self.pushes.append(event)
+                continue
+            return event
+
+    async def call(self, op: str, args: Any = None, **extra: Any) -> Message:
+        """Send one request and return its reply (nothing else is in flight)."""
+        self.next_id += 1
+        message: dict[str, Any] = {"id": self.next_id, "op": op, **extra}
+        if args is not None:
+            message["args"] = args
+        await self.send(message)
+        reply = await self.receive()
+        assert reply["id"] == self.next_id, reply
+        return reply
+
+    async def first_push(self) -> Message:
+        """The first push, pinging until one came (pushes arrive between replies)."""
+        with trio.fail_after(5):
+            while not self.pushes:
+                assert (await self.call("ping"))["ok"]
+        return self.pushes[0]
+
+    async def ok(self, op: str, args: dict[str, Any] | None = None) -> Any:
+        reply = await self.call(op, args)
+        assert reply["ok"] is True, (op, reply)
+        return reply["result"]
+
+    async def push(self, kind: str, timeout: float = 10) -> Message:
+        """The first push of ``kind``, pinging until it came (pushes arrive between replies)."""
+        with trio.fail_after(timeout):
+            while True:
+                for push in self.pushes:
+                    if push["push"] == kind:
+                        self.pushes.remove(push)
+                        return push
+                await self.ok("ping")
+                await trio.sleep(0.02)
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
+def in_process_node(tmp_path: Path, *, lease_ms: int, grace_ms: int) -> Any:
+    """A ``cluster.node.Node`` (two shards) on ``tmp_path / "data"``, for a test that runs it
+    in its own Trio run, with this worker lease and reattach grace."""
+    from cluster.node import Node
+    from engine.shard import EngineConfig
+
+    return Node(
+        tmp_path / "data",
+        shards=2,
+        config=EngineConfig(worker_lease_ms=lease_ms, reattach_grace_ms=grace_ms),
+    )
