@@ -12,6 +12,7 @@ import importlib
 import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from cluster import options
 
@@ -28,10 +29,28 @@ BENCH_SUITES: dict[str, tuple[str, str]] = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose usage errors under ``--json`` are one JSON object on stdout
+    (code ``usage``, status 2), as every other error of a command asked for JSON is: a
+    script reading stdout gets an object, not usage text on stderr (found by review). Its
+    subcommands' parsers are of this class too (argparse's default ``parser_class``)."""
+
+    #: set by :func:`_main` from the raw arguments: the error may come before ``--json`` is
+    #: parsed (options that exclude each other, a bad choice)
+    json_errors = False
+
+    def error(self, message: str) -> NoReturn:
+        if _Parser.json_errors:
+            import json
+
+            error = {"code": "usage", "message": f"{self.prog}: {message}", "field": None}
+            print(json.dumps({"error": error}))
+            sys.exit(2)
+        super().error(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="tickwheel", description="tickwheel: a distributed job scheduler"
-    )
+    parser = _Parser(prog="tickwheel", description="tickwheel: a distributed job scheduler")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     bench = sub.add_parser("bench", help="run a benchmark suite and print its figures")
@@ -204,9 +223,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run ``tickwheel``; returns the exit status. Output cut short by a reader that went
     away (``tickwheel logs RUN | head``) ends the command quietly with status 1 (as rich
     does for its tables, and as the Python documentation's note on SIGPIPE suggests), not
-    with a BrokenPipeError traceback."""
+    with a BrokenPipeError traceback. A compiled module older than its source (``make
+    native`` not run after an edit) is one line on stderr and status 2."""
     try:
         return _main(argv)
+    except ImportError as exc:
+        # engine.StaleCompiledModule (an edited source beside its old compiled module): one
+        # line, not the import's traceback. Matched by name: the class cannot be imported once
+        # the engine's own import raised it.
+        if type(exc).__name__ != "StaleCompiledModule":
+            raise
+        print(f"tickwheel: {exc}", file=sys.stderr)
+        return 2
     except BrokenPipeError:
         _quiet_stdout()
         return 1
@@ -234,7 +262,11 @@ def _quiet_stdout() -> None:
 
 
 def _main(argv: Sequence[str] | None) -> int:
-    args = build_parser().parse_args(join_dash_values(sys.argv[1:] if argv is None else argv))
+    raw = list(sys.argv[1:] if argv is None else argv)
+    options_part = raw[: raw.index("--")] if "--" in raw else raw
+    # (argparse takes an unambiguous abbreviation, `--jso`, for `--json` too)
+    _Parser.json_errors = any(a.startswith("--js") and "--json".startswith(a) for a in options_part)
+    args = build_parser().parse_args(join_dash_values(raw))
     if args.command == "bench":
         from bench.common import emit
 

@@ -105,9 +105,17 @@ class _Reading:
 
 
 class ClientError(Exception):
-    """Root of the client's errors."""
+    """Root of the client's errors.
+
+    Raised by :meth:`Client.create` for a spec without an ``id``, it carries the id the
+    library generated as ``job_id`` (and by :meth:`Client.create_many`, every spec's id as
+    ``job_ids``, in order, None for an entry that is not a map): after a timeout or a lost
+    connection the job may exist, and only a retry with that id cannot make a second one.
+    Otherwise both are None."""
 
     code = "client_error"
+    job_id: str | None = None
+    job_ids: list[str | None] | None = None
 
 
 class RemoteError(ClientError):
@@ -313,7 +321,8 @@ def parse_address(text: str) -> tuple[str, int]:
         host = host[1:-1]
     elif "[" in host or "]" in host:
         host = ""  # an unbalanced bracket
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    # (isascii: str.isdigit() takes digits such as "²" that int() refuses)
+    if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
         raise ClientError(f"not HOST:PORT: {text!r}")
     return host, int(port)
 
@@ -423,6 +432,10 @@ class Client:
         :class:`ConnectionLost`."""
         self._closed = True
         self._gone = self._gone or "client closed"
+        # Requests waiting for a reconnect wake and find no connection: ConnectionLost now,
+        # not a `timeout` at their deadline (found by review).
+        self._outbox = None
+        self._connected.set()
         if self._stream is not None:
             _hand_back_reader(self._stream)
             with trio.move_on_after(1) as scope:
@@ -482,7 +495,13 @@ class Client:
             self._outbox = None
             lost = f"connection to {self.host}:{self.port} lost"
             if self.reconnect and not self._closed:
-                self._connected = trio.Event()  # requests wait for the reconnect
+                # Requests wait for the reconnect. A new Event only if the last one was set:
+                # a connection that broke again before its reconnect finished (in the hook)
+                # keeps the Event its requests already wait on, which the reconnect that
+                # succeeds sets (found by review: replaced unset, its waiters slept through
+                # the next connection to a `timeout`, never sent).
+                if self._connected.is_set():
+                    self._connected = trio.Event()
                 self._fail_waiting(ConnectionLost(lost))
                 assert self._nursery is not None
                 self._nursery.start_soon(self._reconnect)
@@ -533,6 +552,7 @@ class Client:
         # Requests wait until the hook (a worker's hello) has run on the new connection: a
         # worker's report must never reach a node that does not know the worker yet.
         await self._open(announce=False)
+        mine = self._stream
         if self.on_reconnect is not None:
             token = _handshake.set(True)
             try:
@@ -541,7 +561,10 @@ class Client:
                 pass  # the connection broke again; the reader schedules the next attempt
             finally:
                 _handshake.reset(token)
-        if self._stream is not None:
+        # Only the reconnect whose connection is still the current one lets requests go: one
+        # whose connection broke during its hook must not release them onto the next, whose
+        # own hook (a hello) may not have been answered yet.
+        if mine is not None and self._stream is mine:
             self._connected.set()
 
     def _fail_waiting(self, error: ClientError) -> None:
@@ -595,6 +618,8 @@ class Client:
                     if trio.current_time() >= deadline:
                         raise
             if scope.cancelled_caught:
+                if self._closed:
+                    raise ConnectionLost(f"{op}: {self._gone or 'client closed'}") from None
                 if self._outbox is None and self.reconnect and not self._closed:
                     # Waiting for a reconnect the whole time left: the connection is what
                     # failed, not the node's answer (found by review: a node that stayed
@@ -713,9 +738,22 @@ class Client:
         job is returned as the create's result. Any other ``exists`` (another client's job,
         a job of another spec, or a connection re-made before this request was sent) raises
         :class:`RemoteError` ``exists``.
+
+        A spec without an ``id`` gets one here; every error raised then carries it as
+        ``job_id`` (:class:`ClientError`): retry with it (``{**spec, "id": exc.job_id}``), not
+        with the spec as it was, which would make a new id and, if the first attempt was
+        applied, a second job.
         """
         if isinstance(spec, dict) and "id" not in spec:  # (not a map: the node refuses it)
             spec = {**spec, "id": new_job_id(int(time.time() * 1000), os.urandom(10))}
+            try:
+                return await self._create_with_id(spec)
+            except ClientError as exc:
+                exc.job_id = spec["id"]
+                raise
+        return await self._create_with_id(spec)
+
+    async def _create_with_id(self, spec: dict[str, Any]) -> dict[str, Any]:
         if replaces(spec):
             return await self._create_replacing(spec)
         sent_on: list[int] = []
@@ -771,14 +809,29 @@ class Client:
         """Create jobs in one request; per spec ``{"ok", "result"}`` or ``{"ok", "error"}``
         (an entry that is not a map is sent as it is: the node answers ``bad_args`` for it).
         A batch holding a spec with ``replace`` is sent again after a broken connection only
-        for the specs whose jobs do not hold them yet, as :meth:`create` does for one."""
+        for the specs whose jobs do not hold them yet, as :meth:`create` does for one.
+        Specs without an ``id`` get one here; every error raised then carries every entry's
+        id as ``job_ids`` (:class:`ClientError`), for a retry that cannot make second jobs."""
         now = int(time.time() * 1000)
-        specs = [
-            {**s, "id": new_job_id(now, os.urandom(10))}
-            if isinstance(s, dict) and "id" not in s
-            else s
-            for s in specs
-        ]
+        generated = False
+        with_ids: list[dict[str, Any]] = []
+        for s in specs:
+            if isinstance(s, dict) and "id" not in s:
+                s = {**s, "id": new_job_id(now, os.urandom(10))}
+                generated = True
+            with_ids.append(s)
+        if not generated:
+            return await self._create_many_with_ids(with_ids)
+        try:
+            return await self._create_many_with_ids(with_ids)
+        except ClientError as exc:
+            exc.job_ids = [
+                s["id"] if isinstance(s, dict) and isinstance(s.get("id"), str) else None
+                for s in with_ids
+            ]
+            raise
+
+    async def _create_many_with_ids(self, specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if any(replaces(s) for s in specs):
             return await self._create_many_replacing(specs)
         sent_on: list[int] = []
@@ -1066,7 +1119,11 @@ class Client:
 
         A run final as TIMED_OUT under ``on_timeout=mark`` whose task still runs is followed
         until its task ends (the page's ``marked_running``; a node before that field, or one
-        restarted meanwhile, does not know: then it ends at the timeout, as before). Raises :class:`RemoteError` ``not_found`` for a run that does
+        restarted meanwhile, does not know: then it ends at the timeout, as before); so is a
+        run made final by a stop (cancelled with ``stop_running``, ``cancel_previous``) while
+        its task stops, through its grace (the page's ``stopping``: until the worker reports
+        the task's end, at most the node's reattach grace; a node restarted meanwhile does
+        not know). Raises :class:`RemoteError` ``not_found`` for a run that does
         not exist (or stops existing: retention), whatever the node's version: a page with no
         state (a node before ``run.logs`` refused such runs itself) is checked with
         ``run.get``, so that a follower never waits for a run that will never end. Raises
@@ -1079,6 +1136,10 @@ class Client:
                 state = page["state"]
                 if state is None:
                     state = (await self.run(run_id))["state"]  # not_found raises
-                if state in FINAL_VALUES and not page.get("marked_running"):
+                if (
+                    state in FINAL_VALUES
+                    and not page.get("marked_running")
+                    and not page.get("stopping")
+                ):
                     return
                 await trio.sleep(poll_s)

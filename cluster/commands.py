@@ -458,9 +458,15 @@ async def cmd_submit(client: Client, args: argparse.Namespace) -> int:
     try:
         job = await client.create(spec)
     except (RequestTimeout, ConnectionLost) as exc:
+        # The retry named exactly: --in counts from now, so the same command again with --id
+        # asked for another time, and a job that was created answered `exists` to it forever
+        # (found by review); the time this attempt asked for is given as --at instead.
+        again = f"--id {spec['id']}"
+        if args.in_ is not None:
+            again += f" --at {spec['schedule']['at']} (in place of --in)"
         raise type(exc)(
             f"{exc} (job {spec['id']} may have been created: `tickwheel job get {spec['id']}` "
-            "tells; submit again with --id to retry without a second job)"
+            f"tells; submit again with {again} to retry without a second job)"
         ) from None
     except RemoteError as exc:
         # The retry the line above recommends: the job exists and holds this very spec, so
