@@ -1031,7 +1031,12 @@ async def _supervise(
         # Cancelled from outside, or on_output raised: nothing we started may outlive us, and
         # there is no time for a grace.
         with trio.CancelScope(shield=True):
-            if proc.returncode is None:  # (reaped: its group was empty; the id may be reused)
+            # The leader's group, whether or not the leader is reaped yet: it may have ended
+            # (by itself, or of the SIGTERM) while members still had their grace, and those
+            # must not outlive the worker either (found by review: a member of a task whose
+            # leader had exited ran on after a hard exit, the guard told the task was over).
+            # Members alive keep the group id reserved, so it is still this task's.
+            if proc.returncode is None or _group_alive(pgid):
                 _signal_group(pgid, signal.SIGKILL)
             with trio.move_on_after(_REAP_S):
                 await proc.wait()

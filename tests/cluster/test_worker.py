@@ -27,7 +27,7 @@ from cluster.worker import FENCE_MARGIN_MS, WorkerAgent
 from engine.lease import worker_fence_at
 from engine.routing import shard_of
 from engine.runs import fencing_token
-from tests.cluster.procs import NodeProc
+from tests.cluster.procs import NodeProc, in_process_node
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -288,17 +288,6 @@ def test_a_cut_off_worker_kills_its_task_before_its_lease_can_lapse(tmp_path: Pa
         node.kill()
 
 
-def _in_process_node(tmp_path: Path) -> Any:
-    from cluster.node import Node
-    from engine.shard import EngineConfig
-
-    return Node(
-        tmp_path / "data",
-        shards=2,
-        config=EngineConfig(worker_lease_ms=5000, reattach_grace_ms=10_000),
-    )
-
-
 def test_output_whose_answer_was_lost_is_not_stored_twice(tmp_path: Path) -> None:
     """A proxy between worker and node passes the first ``worker.output`` on, then cuts the
     connection before its answer comes back: the worker sends the chunk again after the
@@ -343,7 +332,7 @@ def test_output_whose_answer_was_lost_is_not_stored_twice(tmp_path: Path) -> Non
             nursery.cancel_scope.cancel()
 
     async def main() -> None:
-        node = _in_process_node(tmp_path)
+        node = in_process_node(tmp_path, lease_ms=5000, grace_ms=10_000)
         with trio.fail_after(60):
             async with trio.open_nursery() as nursery:
                 node_port = await nursery.start(node.run)
@@ -383,7 +372,7 @@ def test_output_for_a_run_that_does_not_exist_is_refused(tmp_path: Path) -> None
     from cluster.client import Client, RemoteError
 
     async def main() -> None:
-        node = _in_process_node(tmp_path)
+        node = in_process_node(tmp_path, lease_ms=5000, grace_ms=10_000)
         with trio.fail_after(30):
             async with trio.open_nursery() as nursery:
                 port = await nursery.start(node.run)
