@@ -744,14 +744,15 @@ class Client:
         with the spec as it was, which would make a new id and, if the first attempt was
         applied, a second job.
         """
-        if isinstance(spec, dict) and "id" not in spec:  # (not a map: the node refuses it)
+        generated = isinstance(spec, dict) and "id" not in spec  # (not a map: node refuses it)
+        if generated:
             spec = {**spec, "id": new_job_id(int(time.time() * 1000), os.urandom(10))}
-            try:
-                return await self._create_with_id(spec)
-            except ClientError as exc:
+        try:
+            return await self._create_with_id(spec)
+        except ClientError as exc:
+            if generated:
                 exc.job_id = spec["id"]
-                raise
-        return await self._create_with_id(spec)
+            raise
 
     async def _create_with_id(self, spec: dict[str, Any]) -> dict[str, Any]:
         if replaces(spec):
@@ -820,15 +821,14 @@ class Client:
                 s = {**s, "id": new_job_id(now, os.urandom(10))}
                 generated = True
             with_ids.append(s)
-        if not generated:
-            return await self._create_many_with_ids(with_ids)
         try:
             return await self._create_many_with_ids(with_ids)
         except ClientError as exc:
-            exc.job_ids = [
-                s["id"] if isinstance(s, dict) and isinstance(s.get("id"), str) else None
-                for s in with_ids
-            ]
+            if generated:
+                exc.job_ids = [
+                    s["id"] if isinstance(s, dict) and isinstance(s.get("id"), str) else None
+                    for s in with_ids
+                ]
             raise
 
     async def _create_many_with_ids(self, specs: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -2069,9 +2069,7 @@ class Node:
     def _pull(self, conn: Connection, args: dict[str, Any]) -> Any:
         session = conn.worker
         assert session is not None
-        credits = args["credits"]
-        if not 0 <= credits <= MAX_WORKER_SLOTS:
-            raise BadArgs(f"credits: must be in 0..{MAX_WORKER_SLOTS}", None, "credits")
+        credits = _checked_credits(args["credits"])
         session.free = credits
         for host in self.hosts:
             host.credits_changed_for(session.worker_id)
@@ -2090,8 +2088,8 @@ class Node:
         rid = args["run_id"]
         # Checked before the report is taken: refused after it, the report would be applied
         # and the worker told it was not, and send it again (found by review).
-        if "credits" in args and not 0 <= args["credits"] <= MAX_WORKER_SLOTS:
-            raise BadArgs(f"credits: must be in 0..{MAX_WORKER_SLOTS}", None, "credits")
+        if "credits" in args:
+            _checked_credits(args["credits"])
         host = self._host_of_run(rid, final=True)
         host.tell(
             ReportFinished(
@@ -2112,8 +2110,8 @@ class Node:
         if len(reports) > MAX_BATCH:
             raise BadArgs(f"reports: at most {MAX_BATCH} per request", None, "reports")
         credits = args.get("credits")
-        if credits is not None and not 0 <= credits <= MAX_WORKER_SLOTS:
-            raise BadArgs(f"credits: must be in 0..{MAX_WORKER_SLOTS}", None, "credits")
+        if credits is not None:
+            _checked_credits(credits)
         commands = [_finished_report(session.worker_id, i, r) for i, r in enumerate(reports)]
         shards = []
         for i, command in enumerate(commands):
@@ -2343,6 +2341,14 @@ def _seen(raw: list[Any], shards: int) -> list[int]:
         if 0 <= item[0] < shards:
             out[item[0]] = max(out[item[0]], item[1])
     return out
+
+
+def _checked_credits(credits: int) -> int:
+    """A worker's free slots as a request states them (``worker.pull``, and the pull riding in
+    a final report), or :class:`BadArgs` naming ``credits``."""
+    if not 0 <= credits <= MAX_WORKER_SLOTS:
+        raise BadArgs(f"credits: must be in 0..{MAX_WORKER_SLOTS}", None, "credits")
+    return credits
 
 
 def _held(raw: list[Any]) -> tuple[tuple[str, int], ...]:

@@ -1036,7 +1036,7 @@ async def _supervise(
             # must not outlive the worker either (found by review: a member of a task whose
             # leader had exited ran on after a hard exit, the guard told the task was over).
             # Members alive keep the group id reserved, so it is still this task's.
-            if proc.returncode is None or _group_alive(pgid):
+            if proc.returncode is None or await _group_alive_async(pgid):
                 _signal_group(pgid, signal.SIGKILL)
             with trio.move_on_after(_REAP_S):
                 await proc.wait()

@@ -240,8 +240,8 @@ def _carry_on(run: Coroutine[Any, Any, None], step: Any) -> Generator[Any, Any, 
 
 
 def _described(exc: BaseException) -> str:
-    """``Type: message`` of ``exc``; of a group, of each error in it (a nursery's group says
-    only how many it holds, which would tell a run's log nothing)."""
+    """``Type: message`` of ``exc``; of a group, of each error in it (a nursery's group, or
+    the one ``except*`` makes of a plain exception, says only how many it holds)."""
     if isinstance(exc, BaseExceptionGroup):
         return "; ".join(_described(inner) for inner in exc.exceptions)
     return f"{type(exc).__name__}: {exc}"
@@ -299,8 +299,6 @@ class WorkerAgent:
         self.lease_ms = 10_000
         # when the newest acknowledged heartbeat (or hello) left: what the fence counts from
         self.acked_sent_ms = 0
-        #: heartbeats sent and not answered yet (each waits up to a lease: _heartbeats)
-        self._heartbeats_in_flight = 0
         #: the node's shard count (from the hello's answer; 0 until then)
         self.shards = 0
         #: shard -> the newest epoch seen in a dispatch's token: older ones are refused
@@ -677,36 +675,32 @@ class WorkerAgent:
                 period_s = self.lease_ms / HEARTBEAT_FRACTION / 1000
                 next_at = max(next_at + period_s, trio.current_time())
                 await trio.sleep_until(next_at)
-                if self._heartbeats_in_flight >= HEARTBEAT_FRACTION:
+                if len(beats.child_tasks) >= HEARTBEAT_FRACTION:
                     continue  # a lease's worth unanswered: one more would add nothing
                 beats.start_soon(self._heartbeat, _mono_ms())
 
     async def _heartbeat(self, sent: int) -> None:
-        self._heartbeats_in_flight += 1
-        try:
-            for _attempt in range(2):
-                numbers = self._numbers()
-                numbers.pop("instance", None)  # the connection's hello named it
-                try:
-                    await self.client.request(
-                        "worker.heartbeat",
-                        {"held": self._held_list(), **numbers},
-                        timeout_s=self.lease_ms / 1000,
-                    )
-                except RemoteError as exc:
-                    if self._old_node(exc):
-                        sent = _mono_ms()
-                        continue  # again now, without them
-                    log.warning("heartbeat refused: %s", exc)
-                    if exc.code == "not_a_worker":
-                        self._greet_again()
-                except ClientError as exc:
-                    log.warning("heartbeat failed: %s", exc)
-                else:
-                    self._acked(sent)
-                return
-        finally:
-            self._heartbeats_in_flight -= 1
+        for _attempt in range(2):
+            numbers = self._numbers()
+            numbers.pop("instance", None)  # the connection's hello named it
+            try:
+                await self.client.request(
+                    "worker.heartbeat",
+                    {"held": self._held_list(), **numbers},
+                    timeout_s=self.lease_ms / 1000,
+                )
+            except RemoteError as exc:
+                if self._old_node(exc):
+                    sent = _mono_ms()
+                    continue  # again now, without them
+                log.warning("heartbeat refused: %s", exc)
+                if exc.code == "not_a_worker":
+                    self._greet_again()
+            except ClientError as exc:
+                log.warning("heartbeat failed: %s", exc)
+            else:
+                self._acked(sent)
+            return
 
     async def _fence_timer(self) -> None:
         """Sleeps until the fence deadline (:func:`engine.lease.worker_fence_at` of the newest
@@ -967,56 +961,38 @@ class WorkerAgent:
                     # handler run on while the node records TIMED_OUT.
                     timeout_ms = None if ticket.on_timeout == "mark" else ticket.timeout_ms
                     outcome, code = "killed", None
-                    stop_scope = trio.CancelScope()  # a kill or a fence cancels it
-                    timer: trio.CancelScope | None = None
-                    try:
-                        with stop_scope:
-                            held.scope = stop_scope
-                            timing = (
-                                trio.move_on_after(timeout_ms / 1000)
-                                if timeout_ms is not None
-                                else contextlib.nullcontext()  # no scope per run without a timeout
-                            )
+                    with trio.CancelScope() as stop_scope:  # a kill or a fence cancels it
+                        held.scope = stop_scope
+                        timing = (
+                            trio.move_on_after(timeout_ms / 1000)
+                            if timeout_ms is not None
+                            else contextlib.nullcontext()  # no scope per run without a timeout
+                        )
+                        try:
                             with timing as timer:
-                                try:
-                                    returned = await self.payload_handler(ticket, handler_output)
-                                    outcome, code, complaint = payload_outcome(returned)
-                                    if complaint is not None:
-                                        log.warning(
-                                            "payload handler on %s: %s", rid, complaint.strip()
-                                        )
-                                        await on_output(
-                                            "stderr", complaint.encode(errors="replace")
-                                        )
-                                except Exception as exc:
-                                    # User code's failure is the run's, never the worker's: the
-                                    # agent and its other runs carry on (a raise that ended the
-                                    # agent made every worker that took the run again die too).
-                                    log.exception("payload handler failed on %s", rid)
-                                    line = (
-                                        "tickwheel: payload handler raised "
-                                        f"{type(exc).__name__}: {exc}\n"
-                                    )
-                                    await on_output("stderr", line.encode(errors="replace"))
-                                    outcome, code = "failed", None
-                            if timer is not None and timer.cancel_called:  # swallowed or not
-                                outcome, code = "timed_out", None
-                                line = (
-                                    f"tickwheel: stopped (timed out after {timeout_ms} ms): "
-                                    "payload handler cancelled\n"
-                                )
-                                await on_output("stderr", line.encode())
-                    except Exception as exc:
-                        # What a handler raised while it was being cancelled (a nursery whose
-                        # task raised in its cleanup: a group of Cancelled and that error):
-                        # the scopes above took the Cancelled out, and the rest escaped the
-                        # handler's own except (found by review: it ended the whole agent).
-                        log.exception("payload handler failed on %s while stopped", rid)
-                        line = f"tickwheel: payload handler raised {_described(exc)}\n"
-                        await on_output("stderr", line.encode(errors="replace"))
-                        outcome, code = "failed", None
-                        if timer is not None and timer.cancel_called:
-                            outcome = "timed_out"
+                                returned = await self.payload_handler(ticket, handler_output)
+                                outcome, code, complaint = payload_outcome(returned)
+                                if complaint is not None:
+                                    log.warning("payload handler on %s: %s", rid, complaint.strip())
+                                    await on_output("stderr", complaint.encode(errors="replace"))
+                        except* Exception as raised:
+                            # User code's failure is the run's, never the worker's: the agent
+                            # and its other runs carry on (a raise that ended the agent made
+                            # every worker that took the run again die too). except*: what a
+                            # handler raised while being cancelled comes in a group with the
+                            # Cancelled, which is left to its scope (found by review: such a
+                            # group escaped a plain except and ended the whole agent).
+                            log.exception("payload handler failed on %s", rid)
+                            line = f"tickwheel: payload handler raised {_described(raised)}\n"
+                            await on_output("stderr", line.encode(errors="replace"))
+                            outcome, code = "failed", None
+                        if timer is not None and timer.cancel_called:  # swallowed or not
+                            outcome, code = "timed_out", None
+                            line = (
+                                f"tickwheel: stopped (timed out after {timeout_ms} ms): "
+                                "payload handler cancelled\n"
+                            )
+                            await on_output("stderr", line.encode())
                     held.scope = None
                     if stop_scope.cancel_called and outcome != "timed_out":
                         # Stopped (a kill, a graceful stop): the stop wins over what the

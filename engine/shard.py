@@ -2314,11 +2314,8 @@ class ShardEngine:
             for rid, (_t, w) in list(self._marked.items()):
                 if w == worker.worker_id and rid not in announced:
                     self._end_mark(rid, "its worker no longer holds it")
-        if self._stopping_final:
-            held_ids = {rid for rid, _token in cmd.held}
-            for rid, (_t, w, _until) in list(self._stopping_final.items()):
-                if w == worker.worker_id and rid not in held_ids:
-                    del self._stopping_final[rid]  # it ended without a report
+        if self._stopping_final:  # a task it omits ended without a report
+            self._forget_stops_of(worker.worker_id, keep={rid for rid, _token in cmd.held})
         self._renew(worker, cmd.held)
         for run in again:
             self._send_again(worker, run)
@@ -2334,6 +2331,15 @@ class ShardEngine:
                 del stopping[rid]
         until = self._mono + self.config.reattach_grace_ms
         stopping[self._run_id(run)] = (run.token, worker_id, until)
+
+    def _forget_stops_of(
+        self, worker_id: str, keep: set[str] | frozenset[str] = frozenset()
+    ) -> None:
+        """Drop the :attr:`_stopping_final` entries of ``worker_id``'s tasks but ``keep``'s:
+        the worker is gone, or said hello without them."""
+        stopping = self._stopping_final
+        for rid in [r for r, (_t, w, _u) in stopping.items() if w == worker_id and r not in keep]:
+            del stopping[rid]
 
     def _end_mark(self, rid: str, why: str) -> None:
         """Forget the mark of ``rid`` (on_timeout=mark), recorded as a note, as the task's
@@ -2486,8 +2492,7 @@ class ShardEngine:
         for rid in [rid for rid, (_t, w) in self._marked.items() if w == worker_id]:
             self._end_mark(rid, "its worker's lease lapsed")
         if self._stopping_final:
-            for rid in [r for r, (_t, w, _u) in self._stopping_final.items() if w == worker_id]:
-                del self._stopping_final[rid]
+            self._forget_stops_of(worker_id)
         for ref in sorted(worker.runs):
             run = self._runs.get(ref)
             if run is not None and run.worker == worker_id:
