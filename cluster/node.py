@@ -1956,13 +1956,14 @@ class Node:
             raise JobNotFound(f"no job {job_id!r}", field="job_id")
         last = args.get("last", 20)
         skips: list[dict[str, Any]] = []
-        before: int | None = None
+        cursor: bytes | None = None
         while len(skips) < last:  # notes share the family: page past them
-            page = host.store.history(key, 256, before=before)
+            # By stored key, not "before the oldest time seen": entries share times, and a
+            # page that ended inside a group left the rest of it out (found by review).
+            page, cursor = host.store.history_page(key, 256, cursor=cursor)
             skips += [_skip_result(r) for r in page if r.get("t") == "skip"]
-            if len(page) < 256:
+            if cursor is None:
                 break
-            before = min(int(r["lo"] if r.get("t") == "skip" else r["at"]) for r in page)
         return {"skips": skips[:last]}
 
     async def _run_logs(self, conn: Connection, args: dict[str, Any]) -> Any:

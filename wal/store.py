@@ -861,6 +861,37 @@ class ShardStore:
         lo = codec.i64(key) + codec.LOW8
         return [self._decode(v) for _k, v in self._scan(_HISTORY, lo, hi, limit=n, reverse=True)]
 
+    def history_page(
+        self, key: int, n: int = 256, *, cursor: bytes | None = None
+    ) -> tuple[list[Record], bytes | None]:
+        """A page of job ``key``'s history, newest first: up to ``n`` entries stored below
+        ``cursor`` (from the newest when None), and the cursor of the next page (None when
+        this one reached the oldest entry). One reverse range scan.
+
+        Paged by the stored key, not by time, because many entries share a time (a skip and
+        the notes of a run, several notes of one run): a page that ended inside such a group
+        and went on "before" its time left the rest of the group out. Raises
+        :class:`StoreUsageError` for a cursor that is not one this method returned for
+        ``key``.
+        """
+        check_i64(key=key)
+        if n < 1:
+            raise StoreUsageError(f"history_page: n must be at least 1, not {n}")
+        lo = codec.i64(key) + codec.LOW8
+        if cursor is None:
+            hi = _bound(key, codec.I64_MAX + 1)
+        elif (
+            not isinstance(cursor, bytes)
+            or len(cursor) != _HISTORY_KEY_BYTES
+            or not cursor.startswith(codec.i64(key))
+        ):
+            raise StoreUsageError(f"history_page: {cursor!r} is not a cursor of job {key}")
+        else:
+            hi = cursor
+        page = self._scan(_HISTORY, lo, hi, limit=n, reverse=True)
+        records = [self._decode(v) for _k, v in page]
+        return records, (page[-1][0] if len(page) == n else None)
+
     def run_count(self, key: int) -> int:
         """Runs stored for job ``key`` (what count retention trims). One get. The count is
         updated in place, so a reader on another thread than the writer's may see it a moment
@@ -1432,6 +1463,10 @@ def _job_ticket_fields(raw: bytes) -> tuple[int, str, Any]:
 
 
 _MISSING: Final = object()
+
+
+# A history key: job key, time, epoch, batch id, record index (wal.route).
+_HISTORY_KEY_BYTES: Final = 8 + 8 + 8 + 8 + 4
 
 
 def _bound(key: int, at: int) -> bytes:
