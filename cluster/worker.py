@@ -180,7 +180,16 @@ class _Runner:
 class _Held:
     """A run this worker holds, from its dispatch until the node has its final report."""
 
-    __slots__ = ("_handle", "gone", "hand_back", "outcome", "reporting", "scope", "ticket")
+    __slots__ = (
+        "_handle",
+        "gone",
+        "hand_back",
+        "outcome",
+        "reporting",
+        "scope",
+        "started",
+        "ticket",
+    )
 
     def __init__(self, ticket: RunTicket) -> None:
         self.ticket = ticket
@@ -194,6 +203,8 @@ class _Held:
         self.scope: trio.CancelScope | None = None
         #: stopped by a graceful stop: if it ends killed, it is handed back, not reported
         self.hand_back = False
+        #: its start report went out (on a connection that may since have broken)
+        self.started = False
 
     def stop(self, reason: str, *, at_once: bool = False) -> None:
         """Stop the task (a command's process group; a payload handler is cancelled). One
@@ -608,10 +619,19 @@ class WorkerAgent:
         self._acked(sent)
         self._tell_guard_fence()  # the lease may have changed: the deadlines with it
         self._wake_fence()
-        # Reports the node may have missed while the connection was down.
+        # Reports the node may have missed while the connection was down: final reports, and
+        # the start reports of tasks still running (a start report lost with a broken
+        # connection left the run CLAIMED for as long as its task ran: found by review). A
+        # repeat the node already applied is a no-op for the current attempt.
+        restarts = False
         for rid, held in list(self.held.items()):
             if held.outcome is not None:
                 self.nursery.start_soon(self._report_finished, rid)
+            elif held.started and held.gone is None:
+                self._to_start.append(held)
+                restarts = True
+        if restarts:
+            self._wake_reporter()
 
     def _greet_again(self) -> None:
         """Say hello again, in the background, retrying until the node answers (one at a
@@ -1068,11 +1088,12 @@ class WorkerAgent:
         """The start reports of tasks queued since the last pass that still run. Not
         answered: the answer changes nothing here. Each leaves before any later report of its
         run (one connection, in order); lost with a broken connection, the run is still
-        announced as held by the hello after the reconnect."""
+        sent again after the hello that follows the reconnect (:meth:`_hello`)."""
         starts, self._to_start = self._to_start, []
         for held in starts:
             ticket = held.ticket
-            if held.outcome is None and self.held.get(ticket.run_id) is held:
+            if held.outcome is None and held.gone is None and self.held.get(ticket.run_id) is held:
+                held.started = True
                 self.client.notify(
                     "worker.started", {"run_id": ticket.run_id, "token": ticket.token}
                 )

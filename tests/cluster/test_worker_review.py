@@ -1,4 +1,4 @@
-"""Regression tests for three worker fixes found by review.
+"""Regression tests for four worker fixes found by review.
 
 1. Heartbeats over a slow link (``WorkerAgent._heartbeats``/``_heartbeat``): each heartbeat
    waits for its answer up to a lease, in a task of its own, so an answer slower than
@@ -13,6 +13,9 @@
 3. The runner's hard stop (``runner._supervise``, cancelled from outside: a worker's hard
    exit) after the leader exited, while a member of its group still has the grace of the
    stop sequence: the member is SIGKILLed too, not left running.
+4. A start report lost with a broken connection (``WorkerAgent._hello``): the hello after the
+   reconnect re-sends the start reports of the tasks still running, so the run leaves CLAIMED
+   while its task runs, not only at its final report.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import contextlib
 import os
 import re
 import signal
+import socket
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -358,3 +362,66 @@ def test_a_hard_stop_after_the_leader_exited_kills_the_members_still_in_their_gr
         if leader:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(leader[0], signal.SIGKILL)
+
+
+# --------------------------------------------------------------------------------------------
+# 4. A start report lost with the connection
+
+
+def test_a_start_report_lost_with_the_connection_is_sent_again_after_the_hello(
+    tmp_path: Path,
+) -> None:
+    release = trio.Event()
+    running = trio.Event()
+
+    async def handler(ticket: RunTicket, out: Out) -> int:
+        running.set()
+        await release.wait()
+        return 0
+
+    async def main() -> None:
+        node = in_process_node(tmp_path, lease_ms=5000, grace_ms=5000)
+        with trio.fail_after(45):
+            async with trio.open_nursery() as nursery:
+                port = await nursery.start(node.run)
+                agent = WorkerAgent(
+                    "127.0.0.1", port, worker_id="w-start", payload_handler=handler, watchdog=False
+                )
+                dropped: list[str] = []
+                async with Client.connect("127.0.0.1", port) as client:
+                    await nursery.start(agent.run)
+                    notify = agent.client.notify
+
+                    def lose_the_first_start(op: str, args: dict[str, Any]) -> bytes | None:
+                        if op == "worker.started" and not dropped:
+                            # The report is "sent" into a connection that breaks at once:
+                            # the node never reads it.
+                            dropped.append(args["run_id"])
+                            stream = agent.client._stream
+                            assert stream is not None
+                            stream.socket.shutdown(socket.SHUT_RDWR)
+                            return None
+                        return notify(op, args)
+
+                    agent.client.notify = lose_the_first_start  # type: ignore[method-assign]
+                    at = format_utc(int((time.time() + 0.2) * 1000))
+                    created = await client.create(
+                        {"id": "held1", "schedule": {"at": at}, "task": {"payload": "p"}}
+                    )
+                    assert created["job_id"] == "held1"
+                    await running.wait()
+                    # Before the fix: CLAIMED until the handler ended (here: for good).
+                    with trio.fail_after(15):
+                        while True:
+                            runs = await client.history("held1", last=1)
+                            if runs and runs[0]["state"] == "RUNNING":
+                                break
+                            await trio.sleep(0.05)
+                    assert dropped == [runs[0]["run_id"]]
+                    assert not release.is_set()  # its task still runs
+                    release.set()
+                    final = await _final(client, "held1")
+                    assert (final["state"], final["attempt"]) == ("SUCCESS", 1), final
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
