@@ -160,7 +160,16 @@ _POS_WHY: Final = {
 
 #: The engine's guards that :attr:`EngineConfig.mutants` may switch off.
 ENGINE_MUTANTS = frozenset(
-    {"claim-after-fire", "no-redispatch", "report-ack-before-durable", "no-stop-wait"}
+    {
+        "claim-after-fire",
+        "no-redispatch",
+        "report-ack-before-durable",
+        "no-stop-wait",
+        "lose-fire",
+        "eager-catchup",
+        "alo-lost",
+        "retry-no-backoff",
+    }
 )
 
 
@@ -215,7 +224,12 @@ class EngineConfig:
     #: "claim-after-fire" (an at-most-once run sent before its claim is durable) and
     #: "no-redispatch" (at-least-once runs of a lapsed worker lease not handed out again),
     #: "report-ack-before-durable" and "no-stop-wait" (a node-side timeout decided, and
-    #: retried, without waiting for the worker to confirm the task stopped).
+    #: retried, without waiting for the worker to confirm the task stopped); "lose-fire" (a
+    #: job fired through the slow path records its next time and is never armed for it: it
+    #: stops firing, silently), "eager-catchup" (no misfire threshold: a fire late at all is
+    #: a missed one, skipped by the catch-up policy) and "alo-lost" (an at-least-once run of
+    #: a lost worker waits the grace and ends LOST, as an at-most-once run does),
+    #: "retry-no-backoff" (a failed attempt's retry ready at once, its backoff ignored).
     #: Empty in production; never set it outside tests.
     mutants: frozenset[str] = frozenset()
 
@@ -479,6 +493,8 @@ class ShardEngine:
         directory: JobDirectory | None = None,
     ) -> None:
         self.config = config or EngineConfig()
+        #: how late a fire may be and still run as on time (0 under the "eager-catchup" mutant)
+        self._misfire_ms = 0 if "eager-catchup" in self.config.mutants else self.config.misfire_ms
         self.epoch = epoch
         self._wall = wall_ms
         self._mono = mono_ms
@@ -1861,7 +1877,7 @@ class ShardEngine:
         ats: list[int] = []
         vers: list[int] = []
         nexts: list[int | None] = []
-        wall, misfire = self._wall, self.config.misfire_ms
+        wall, misfire = self._wall, self._misfire_ms
         flags, profs, ver = self._flags, self._prof, self._ver
         profiles, active, runs = self._profiles, self._active, self._runs
         fresh: list[_Run] = []
@@ -1934,7 +1950,7 @@ class ShardEngine:
         its own still in flight (the overlap policy decides)."""
         schedule = self._profile(key).schedule
         # A time asked for (a past one-shot of a create or update) is never a missed one.
-        late = self._wall - due > self.config.misfire_ms and not self._flags[key] & _ASKED
+        late = self._wall - due > self._misfire_ms and not self._flags[key] & _ASKED
         run_at: list[int] = []
         if not late:
             run_at.append(due)
@@ -1947,6 +1963,9 @@ class ShardEngine:
             self._flags[key] &= ~_LATE_PAUSED
         for at in run_at:
             self._new_run(key, at)
+        if "lose-fire" in self.config.mutants and nxt is not None:
+            self._persist_pos_at(key, nxt)  # the mutant: recorded, never armed
+            return
         self._set_next(key, nxt)
         self._persist_pos(key)
 
@@ -2505,7 +2524,7 @@ class ShardEngine:
             return
         run.worker = None
         self._clear_run_timer(run)
-        if run.policy.delivery == "at_least_once":
+        if run.policy.delivery == "at_least_once" and "alo-lost" not in self.config.mutants:
             if "no-redispatch" in self.config.mutants:
                 return  # the mutant: the run stays with its lapsed worker forever
             if run.stopping:
@@ -2549,7 +2568,7 @@ class ShardEngine:
                 # Timed out and asked to stop, then its worker vanished: the timeout stands,
                 # unconfirmed (at-most-once: so no retry).
                 self._timed_out(run, confirmed=False)
-            elif run.policy.delivery == "at_least_once":
+            elif run.policy.delivery == "at_least_once" and "alo-lost" not in self.config.mutants:
                 self._requeue(run, "not re-attached within the grace")
             else:
                 self._finalize(run, RunEvent.LOSE, why="outcome unknown: worker gone")
@@ -2841,7 +2860,10 @@ class ShardEngine:
         run.attempt += 1
         run.stopping = False  # the attempt stopped on a timeout is over; the next has its own
         run.fired_batch = self._batch + 1  # the record below makes this attempt number
-        run.due = self._wall + retry_delay_ms(run.policy, nth)
+        backoff = (
+            0 if "retry-no-backoff" in self.config.mutants else retry_delay_ms(run.policy, nth)
+        )
+        run.due = self._wall + backoff
         run.why = f"{why}; retry {nth}"
         self._clear_run_timer(run)
         self._persist_run(run)

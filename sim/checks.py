@@ -1,7 +1,16 @@
 """What must hold after every simulated run, judged on ground truth (issue 4):
 
 1. every owed fire time is accounted for: by a run that finished or is really in progress at
-   the end, or by a SKIPPED record whose reason the job's policies allow;
+   the end, or by a SKIPPED record whose reason the job's policies allow and the moment
+   bears out (``catchup`` only for a time more than the misfire threshold late when it was
+   skipped; ``updated`` and ``cancelled`` only beside the durable update or cancel of that
+   job). The owed times counted run up to the end of the load for every job live at the end
+   (not cancelled, not paused, not exhausted), not merely as far as the engine's own
+   accounting got: a job that silently stops firing owes the rest. An at-least-once run
+   never ends LOST (only an at-most-once run's outcome may be unknown), and no retry starts
+   before its backoff is over (the ready time of its durable PENDING record, less the skew
+   bound, counted from the end of the attempt that failed: its ready time is the node's
+   clock at the failure plus the backoff of the run's job version);
 2. no at-most-once run executed twice (a second execution needs a confirmed final report of
    the first);
 3. no run started before its scheduled time by more than the skew bound;
@@ -36,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.effects import RunTicket
 from engine.frozen import rebuilt_by_init
+from engine.jobs import DELIVERIES, Policy, retry_delay_ms, validate_job
 from engine.records import expand
 from engine.runs import FINAL_VALUES, token_epoch
 from engine.schedules import Schedule, parse_schedule
@@ -207,6 +217,7 @@ class _Key:
     schedule: Schedule
     created: int | None = None  # acct of the first position after this version's record
     acct: int = 0
+    live: bool = True  # the newest position: neither paused nor cancelled
     runs: set[int] | None = None
     skips: list[tuple[int, int]] | None = None
     paused_ever: bool = False
@@ -273,19 +284,34 @@ def _check_log(
     newest_epoch = 0
     interleaved = False
 
-    def verify(k: _Key) -> None:
+    # Every owed time up to the end of the load is accounted for by the time the checks run
+    # (the drain, free of faults and client operations, is minutes long: a failover, a
+    # catch-up or a burst behind the ready bound is over well before).
+    horizon = T0 + cfg.end_ms
+    misfire, skew = cfg.engine.misfire_ms, cfg.skew_bound_ms
+    delivery: dict[tuple[int, int], str] = {}  # (key, at) -> the delivery of its job version
+    # (key, at) -> the spec of the job version the run fired under (its policy is pinned)
+    pinned: dict[tuple[int, int], dict[str, Any]] = {}
+    # (key, at, attempt) -> which retry made the attempt (a durable "...; retry N" record)
+    retry_of: dict[tuple[int, int, int], int] = {}
+
+    def verify(k: _Key, *, final: bool = False) -> None:
         if k.created is None:
             return
         t = k.schedule.next_after(k.created)
         runs, skips = k.runs or set(), k.skips or []
-        while t is not None and t <= k.acct:
+        # The newest version of a live job owes its times up to the horizon, whatever the
+        # engine accounted for (its ``acct`` is the engine's own word: a job no longer armed
+        # keeps the last one it wrote).
+        until = max(k.acct, horizon) if final and k.live else k.acct
+        while t is not None and t <= until:
             if t not in runs and not any(lo <= t <= hi for lo, hi in skips):
                 totals.missed += 1
                 out.append(
                     Violation(
                         "owed-fire-time",
                         f"job {k.job_id} (shard {shard}): fire time {t} owed, neither run "
-                        f"nor skipped",
+                        f"nor skipped (accounted up to {k.acct})",
                         (k.job_id,),
                     )
                 )
@@ -304,6 +330,14 @@ def _check_log(
                 )
             )
         newest_epoch = max(newest_epoch, batch.epoch)
+        # The jobs this batch updates or cancels: a skip for "updated" or "cancelled" must
+        # come with one (the engine records it in the same batch as the change).
+        changed: dict[int, set[str]] = {}
+        for raw in batch.records:
+            if raw["t"] == "job":
+                changed.setdefault(raw["key"], set()).add("updated")
+            elif raw["t"] == "pos" and raw["gone"]:
+                changed.setdefault(raw["key"], set()).add("cancelled")
         for raw in batch.records:
             for r in expand(raw) if raw["t"] == "fire" else (raw,):
                 kind = r["t"]
@@ -311,9 +345,18 @@ def _check_log(
                     ref = (r["key"], r["at"])
                     if ref not in last_run:
                         totals.runs += 1
+                        owner = keys.get(r["key"])
+                        if owner is not None:  # (a run pins the version it fired under)
+                            delivery[ref] = owner.spec.get("delivery", DELIVERIES[0])
+                            pinned[ref] = owner.spec
                     last_run[ref] = (r, batch.durable_at)
                     if r["tok"]:
                         known.setdefault((shard, r["tok"]), batch.durable_at)
+                    why_text = r.get("why") or ""
+                    if r["state"] == "PENDING" and "; retry " in why_text:
+                        nth = why_text.rpartition("; retry ")[2]
+                        if nth.isdigit():
+                            retry_of[(r["key"], r["at"], r["att"])] = int(nth)
                     if r["state"] in _REPORTED or "; retry" in (r.get("why") or ""):
                         reported.add((r["key"], r["at"], r["tok"]))
                     k = keys.get(r["key"])
@@ -329,6 +372,7 @@ def _check_log(
                         k.created = r["acct"]
                     k.acct = r["acct"]
                     k.paused_ever = k.paused_ever or r["paused"]
+                    k.live = not (r["paused"] or r["gone"])
                 elif kind == "job":
                     old = keys.get(r["key"])
                     if old is not None:
@@ -362,13 +406,20 @@ def _check_log(
                             or same_id
                         )
                         and (why != "paused" or k.paused_ever)
+                        # Late beyond the threshold when it was decided (by a clock at most
+                        # the skew bound ahead of true time, and decided before durable).
+                        and (why != "catchup" or T0 + batch.durable_at - r["lo"] > misfire - skew)
+                        and (
+                            why not in ("updated", "cancelled") or why in changed.get(r["key"], ())
+                        )
                     )
                     if not allowed:
                         out.append(
                             Violation(
                                 "skip-reason",
-                                f"job {k.job_id}: skip {r['lo']}..{r['hi']} for {why!r}, which "
-                                f"its policies ({k.spec['overlap']}, paused={k.paused_ever}) "
+                                f"job {k.job_id}: skip {r['lo']}..{r['hi']} for {why!r} "
+                                f"durable at {T0 + batch.durable_at}, which its policies "
+                                f"({k.spec['overlap']}, paused={k.paused_ever}) or the batch "
                                 "do not allow",
                                 (k.job_id,),
                             )
@@ -377,7 +428,7 @@ def _check_log(
                         k.skips = []
                     k.skips.append((r["lo"], r["hi"]))
     for k in keys.values():
-        verify(k)
+        verify(k, final=True)
 
     # Check 4: what clients were told is durable.
     for job_id, version in world.observer.acks.items():
@@ -418,6 +469,16 @@ def _check_log(
     ids = {key: k.job_id for key, k in keys.items()}
     for (key, at), (r, when) in last_run.items():
         state = r["state"]
+        if state == "LOST" and delivery.get((key, at)) == "at_least_once":
+            out.append(
+                Violation(
+                    "at-least-once-lost",
+                    f"shard {shard}: at-least-once run {ids.get(key, key)}@{at} ended LOST "
+                    f"at {when} ms ({r.get('why')}); it must go out again",
+                    (f"{ids.get(key, key)}@{at}",),
+                )
+            )
+            continue
         if state in FINAL_VALUES:
             continue
         rid = f"{ids.get(key, key)}@{at}"
@@ -433,6 +494,45 @@ def _check_log(
             what = f"PENDING since {when} ms"
         totals.stuck += 1
         out.append(Violation("stuck-run", f"shard {shard}: run {rid} {what}", (rid,)))
+
+    # Check 1, retries: no retry starts before its backoff is over. The node decides it at a
+    # failure report, which comes after the failed attempt ended (a timeout's retry may be
+    # decided before its task ended, so only failures are looked at), by a clock at most the skew
+    # bound behind true time; the retry goes out at that clock's ready time, read by a clock
+    # (maybe another owner's) at most the skew bound ahead.
+    key_of_id = {k.job_id: key for key, k in keys.items()}
+    failed_end: dict[tuple[str, int], int] = {}  # (run id, attempt) -> when its execution ended
+    for e in world.observer.executions:
+        if e.shard == shard and e.end is not None and e.outcome == "failed":
+            failed_end[(e.run_id, e.attempt)] = min(
+                failed_end.get((e.run_id, e.attempt), e.end), e.end
+            )
+    policies: dict[int, Policy] = {}
+    for e in world.observer.executions:
+        if e.shard != shard or e.attempt < 2:
+            continue
+        job_id, _, at_text = e.run_id.rpartition("@")
+        key, at = key_of_id.get(job_id, -1), int(at_text)
+        nth = retry_of.get((key, at, e.attempt))
+        failed_at = failed_end.get((e.run_id, e.attempt - 1))
+        spec = pinned.get((key, at))
+        if nth is None or failed_at is None or spec is None:
+            continue
+        policy = policies.get(id(spec))
+        if policy is None:
+            policy = policies[id(spec)] = validate_job(spec, now_ms=T0).policy
+        earliest = failed_at + retry_delay_ms(policy, nth) - 2 * cfg.skew_bound_ms
+        if e.start < earliest:
+            out.append(
+                Violation(
+                    "retry-before-backoff",
+                    f"{e.run_id}: attempt {e.attempt} (retry {nth}) started at {e.start} ms, "
+                    f"{e.start - failed_at} ms after the attempt before failed; its backoff is "
+                    f"{retry_delay_ms(policy, nth)} ms",
+                    (e.run_id,),
+                )
+            )
+            break  # one per shard is enough
 
     # Check 6, the store's half: a stale owner's write accepted.
     for at, writer, stamped, newest in store.stale_accepted:

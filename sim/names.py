@@ -22,4 +22,8 @@ MUTANTS: tuple[str, ...] = (
     "report-ack-before-durable",
     "no-stop-wait",
     "no-worker-fence",
+    "lose-fire",
+    "eager-catchup",
+    "alo-lost",
+    "retry-no-backoff",
 )

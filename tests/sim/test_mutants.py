@@ -20,6 +20,10 @@ EXPECTED = {
     "report-ack-before-durable": {"acknowledged-report"},
     "no-stop-wait": {"at-most-once-executed-twice"},
     "no-worker-fence": {"at-least-once-attempts-overlap"},
+    "lose-fire": {"owed-fire-time"},
+    "eager-catchup": {"skip-reason"},
+    "alo-lost": {"at-least-once-lost"},
+    "retry-no-backoff": {"retry-before-backoff"},
 }
 
 
