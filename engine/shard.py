@@ -169,6 +169,8 @@ ENGINE_MUTANTS = frozenset(
         "eager-catchup",
         "alo-lost",
         "retry-no-backoff",
+        "unpinned",
+        "amo-no-grace",
     }
 )
 
@@ -229,7 +231,9 @@ class EngineConfig:
     #: stops firing, silently), "eager-catchup" (no misfire threshold: a fire late at all is
     #: a missed one, skipped by the catch-up policy) and "alo-lost" (an at-least-once run of
     #: a lost worker waits the grace and ends LOST, as an at-most-once run does),
-    #: "retry-no-backoff" (a failed attempt's retry ready at once, its backoff ignored).
+    #: "retry-no-backoff" (a failed attempt's retry ready at once, its backoff ignored) and
+    #: "unpinned" (a run of an older version dispatched with its job's newest task) and
+    #: "amo-no-grace" (an at-most-once run of a lost worker LOST at once, no reattach grace).
     #: Empty in production; never set it outside tests.
     mutants: frozenset[str] = frozenset()
 
@@ -2535,7 +2539,8 @@ class ShardEngine:
             self._requeue(run, "worker lost it")
         else:
             run.grace = True
-            self._set_run_timer(run, "grace", self._mono + self.config.reattach_grace_ms)
+            grace = 0 if "amo-no-grace" in self.config.mutants else self.config.reattach_grace_ms
+            self._set_run_timer(run, "grace", self._mono + grace)
 
     def _orphaned(self, run: _Run) -> bool:
         """Whether ``run``'s job version was cancelled: no retry, no second dispatch. Its own
@@ -2723,7 +2728,14 @@ class ShardEngine:
         """What a ticket needs of the run's job version (the directory's, unless pinned)."""
         pinned = run.pinned
         if pinned:
-            return pinned["id"], pinned["task"]
+            if "unpinned" not in self.config.mutants:
+                return pinned["id"], pinned["task"]
+            recent = self._recent.get(run.key)  # the mutant: the newest version's task
+            if recent is not None:
+                return recent[2]["id"], recent[2]["task"]
+            found = self._directory.ticket_fields(run.key)
+            assert found is not None
+            return found[1], found[2]
         return self._ticket_fields(run.key, run.version)
 
     def _numbered(self, run: _Run, worker_id: str, ticket: RunTicket) -> Dispatch:

@@ -10,7 +10,11 @@
    never ends LOST (only an at-most-once run's outcome may be unknown), and no retry starts
    before its backoff is over (the ready time of its durable PENDING record, less the skew
    bound, counted from the end of the attempt that failed: its ready time is the node's
-   clock at the failure plus the backoff of the run's job version);
+   clock at the failure plus the backoff of the run's job version); and every attempt runs
+   the version its run fired under (its number, task and delivery), whatever the job became
+   since; and no at-most-once run is LOST sooner than the reattach grace after the last time
+   its owner heard from the worker while the worker executed that attempt (a hello or
+   heartbeat taken: the worker was alive and had it, so the grace is owed from then);
 2. no at-most-once run executed twice (a second execution needs a confirmed final report of
    the first);
 3. no run started before its scheduled time by more than the skew bound;
@@ -87,6 +91,8 @@ class Execution:
     end: int | None = None
     outcome: str | None = None
     reported: bool = False
+    version: int = 0  # the job version the ticket names, and the task it carries
+    task: dict[str, Any] | None = None
 
 
 class Observer:
@@ -102,6 +108,8 @@ class Observer:
         self.acks: dict[str, int] = {}  # job id -> highest acknowledged version
         self.reports: list[tuple[int, str, int, int]] = []  # (shard, run id, token, when) acked
         self.faults: list[tuple[int, int, str, str]] = []  # (start, end, kind, target)
+        #: (shard, worker) -> when the shard's owner took a hello or heartbeat of the worker
+        self.contacts: defaultdict[tuple[int, str], list[int]] = defaultdict(list)
         self._actor: dict[tuple[int, int], tuple[str, int]] = {}
         self._late_actors: set[tuple[str, int, int, int]] = set()
 
@@ -160,6 +168,8 @@ class Observer:
             ticket.delivery,
             ticket.scheduled_ms,
             now,
+            version=ticket.version,
+            task=ticket.task,
         )
         self.executions.append(execution)
         cluster_now = T0 + now
@@ -183,6 +193,10 @@ class Observer:
             outcome,
             reported,
         )
+
+    def contact(self, shard: int, worker: str) -> None:
+        """The owner of ``shard`` took a hello or heartbeat of ``worker`` (now)."""
+        self.contacts[(shard, worker)].append(self.w.kernel.now)
 
     # ---------------------------------------------------------------- clients (check 4)
 
@@ -289,11 +303,15 @@ def _check_log(
     # catch-up or a burst behind the ready bound is over well before).
     horizon = T0 + cfg.end_ms
     misfire, skew = cfg.engine.misfire_ms, cfg.skew_bound_ms
-    delivery: dict[tuple[int, int], str] = {}  # (key, at) -> the delivery of its job version
-    # (key, at) -> the spec of the job version the run fired under (its policy is pinned)
-    pinned: dict[tuple[int, int], dict[str, Any]] = {}
-    # (key, at, attempt) -> which retry made the attempt (a durable "...; retry N" record)
-    retry_of: dict[tuple[int, int, int], int] = {}
+    spec_of: dict[tuple[int, int], dict[str, Any]] = {}  # (key, version) -> its spec
+    # (key, at) -> the job versions its run records named: one, but for a run made again at
+    # the same time by a newer version (an update takes back a run fired ahead, never sent,
+    # and owes its time: the same run id, the new version's run)
+    versions_at: dict[tuple[int, int], set[int]] = {}
+    holder: dict[tuple[int, int, int], str] = {}  # (key, at, token) -> the worker it went to
+    # (key, at, attempt) -> which retry made the attempt (a durable "...; retry N" record),
+    # and the job version of that record
+    retry_of: dict[tuple[int, int, int], tuple[int, int]] = {}
 
     def verify(k: _Key, *, final: bool = False) -> None:
         if k.created is None:
@@ -345,18 +363,17 @@ def _check_log(
                     ref = (r["key"], r["at"])
                     if ref not in last_run:
                         totals.runs += 1
-                        owner = keys.get(r["key"])
-                        if owner is not None:  # (a run pins the version it fired under)
-                            delivery[ref] = owner.spec.get("delivery", DELIVERIES[0])
-                            pinned[ref] = owner.spec
+                    versions_at.setdefault(ref, set()).add(r["ver"])
                     last_run[ref] = (r, batch.durable_at)
                     if r["tok"]:
                         known.setdefault((shard, r["tok"]), batch.durable_at)
+                        if r["w"] is not None:
+                            holder[(r["key"], r["at"], r["tok"])] = r["w"]
                     why_text = r.get("why") or ""
                     if r["state"] == "PENDING" and "; retry " in why_text:
                         nth = why_text.rpartition("; retry ")[2]
                         if nth.isdigit():
-                            retry_of[(r["key"], r["at"], r["att"])] = int(nth)
+                            retry_of[(r["key"], r["at"], r["att"])] = (int(nth), r["ver"])
                     if r["state"] in _REPORTED or "; retry" in (r.get("why") or ""):
                         reported.add((r["key"], r["at"], r["tok"]))
                     k = keys.get(r["key"])
@@ -378,6 +395,7 @@ def _check_log(
                     if old is not None:
                         verify(old)  # the old version's span ends here
                     spec = r["spec"]
+                    spec_of[(r["key"], r["ver"])] = spec
                     keys[r["key"]] = _Key(
                         r["id"],
                         spec,
@@ -469,7 +487,8 @@ def _check_log(
     ids = {key: k.job_id for key, k in keys.items()}
     for (key, at), (r, when) in last_run.items():
         state = r["state"]
-        if state == "LOST" and delivery.get((key, at)) == "at_least_once":
+        spec = spec_of.get((key, r["ver"]))  # (a run pins the version it fired under)
+        if state == "LOST" and spec is not None and _delivery(spec) == "at_least_once":
             out.append(
                 Violation(
                     "at-least-once-lost",
@@ -513,10 +532,13 @@ def _check_log(
             continue
         job_id, _, at_text = e.run_id.rpartition("@")
         key, at = key_of_id.get(job_id, -1), int(at_text)
-        nth = retry_of.get((key, at, e.attempt))
+        retry = retry_of.get((key, at, e.attempt))
         failed_at = failed_end.get((e.run_id, e.attempt - 1))
-        spec = pinned.get((key, at))
-        if nth is None or failed_at is None or spec is None:
+        if retry is None or failed_at is None:
+            continue
+        nth, version = retry
+        spec = spec_of.get((key, version))
+        if spec is None:
             continue
         policy = policies.get(id(spec))
         if policy is None:
@@ -534,6 +556,69 @@ def _check_log(
             )
             break  # one per shard is enough
 
+    # Check 1, pinned versions: an attempt runs the version its run fired under.
+    for e in world.observer.executions:
+        if e.shard != shard:
+            continue
+        job_id, _, at_text = e.run_id.rpartition("@")
+        ref = (key_of_id.get(job_id, -1), int(at_text))
+        named = versions_at.get(ref)
+        if named is None:
+            continue
+        spec = spec_of.get((ref[0], e.version))
+        if e.version not in named or spec is None:
+            wrong = f"its run's records name versions {sorted(named)}"
+        elif e.task != spec["task"] or e.delivery != _delivery(spec):
+            wrong = f"version {e.version} is {spec['task']} ({_delivery(spec)})"
+        else:
+            continue
+        out.append(
+            Violation(
+                "pinned-version",
+                f"{e.run_id}: attempt {e.attempt} ran version {e.version} with task {e.task} "
+                f"({e.delivery}); {wrong}",
+                (e.run_id,),
+            )
+        )
+        break  # one per shard is enough
+
+    # Check 1, the reattach grace: an at-most-once run is LOST only a grace after the last
+    # sign of life its worker gave while executing the attempt. (The engine's clock may run
+    # slow by the drift bound, and its timers fire on ticks: 1% and 200 ms of slack.)
+    grace_floor = cfg.engine.reattach_grace_ms * 0.99 - 200
+    running_on: defaultdict[tuple[str, int], list[Execution]] = defaultdict(list)
+    for e in world.observer.executions:
+        if e.shard == shard:
+            running_on[(e.run_id, e.token)].append(e)
+    for (key, at), (r, when) in last_run.items():
+        if r["state"] != "LOST":
+            continue
+        worker = holder.get((key, at, r["tok"]))
+        rid = f"{ids.get(key, key)}@{at}"
+        if worker is None:
+            continue
+        spans = [
+            (e.start, when if e.end is None else min(e.end, when))
+            for e in running_on[(rid, r["tok"])]
+            if e.worker == worker
+        ]
+        alive = [
+            c
+            for c in world.observer.contacts.get((shard, worker), ())
+            if c <= when and any(a <= c <= b for a, b in spans)
+        ]
+        if alive and when - max(alive) < grace_floor:
+            out.append(
+                Violation(
+                    "lost-within-grace",
+                    f"shard {shard}: {rid} (token {r['tok']}) LOST at {when} ms, "
+                    f"{when - max(alive)} ms after its owner last heard from {worker}, which "
+                    f"executed it then (the reattach grace is {cfg.engine.reattach_grace_ms} ms)",
+                    (rid, worker),
+                )
+            )
+            break  # one per shard is enough
+
     # Check 6, the store's half: a stale owner's write accepted.
     for at, writer, stamped, newest in store.stale_accepted:
         tenure = world.coord.tenures.get((shard, stamped))
@@ -547,6 +632,10 @@ def _check_log(
             )
         )
         break
+
+
+def _delivery(spec: dict[str, Any]) -> str:
+    return str(spec.get("delivery", DELIVERIES[0]))
 
 
 def _check_amo(world: World, out: list[Violation], totals: Totals) -> None:

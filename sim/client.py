@@ -105,7 +105,7 @@ class Client:
             if kind != "once":
                 repeating.append(job_id)
             ops = [_Op(created, "create")]
-            if rng.random() < 0.06:
+            if rng.random() < self.w.config.update_share:
                 ops.append(_Op(rng.randint(created, end), "update", changes=self._change(kind)))
             if rng.random() < 0.05:
                 paused_at = rng.randint(created, end)
@@ -177,7 +177,10 @@ class Client:
             return {"timeout": rng.choice(("30s", "2m"))}
         if r < 0.7:
             return {"overlap": rng.choice(("allow", "skip", "buffer_one", "cancel_previous"))}
-        return {"delivery": rng.choice(("at_least_once", "at_most_once"))}
+        if r < 0.85:
+            return {"delivery": rng.choice(("at_least_once", "at_most_once"))}
+        # A new task: a run of the version before keeps its own (checked: "pinned-version").
+        return {"task": {"payload": f"changed-{rng.randrange(1_000_000)}"}}
 
     # ================================================================ running it
 

@@ -45,6 +45,8 @@ class SimConfig:
     drain_ms: int = 10 * 60_000
     #: share of all jobs due in the same second (the top of the first hour) with burst
     burst_share: float = 0.25
+    #: share of all jobs updated once over the run (at a random moment)
+    update_share: float = 0.06
     #: runs one worker takes from one shard at once
     slots_per_shard: int = 2
     #: how often a worker heartbeats the owner of a shard it holds runs of
@@ -119,6 +121,8 @@ class SimConfig:
             raise SimConfigError("--hours must be in (0, 168]")
         if not 0 <= self.burst_share <= 1 or not 0 <= self.loss < 0.5:
             raise SimConfigError("burst share must be in [0, 1] and loss in [0, 0.5)")
+        if not 0 <= self.update_share <= 1:
+            raise SimConfigError("update share must be in [0, 1]")
         if not (
             0 <= self.slow_stop_share
             and 0 <= self.stuck_stop_share

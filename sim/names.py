@@ -26,4 +26,6 @@ MUTANTS: tuple[str, ...] = (
     "eager-catchup",
     "alo-lost",
     "retry-no-backoff",
+    "unpinned",
+    "amo-no-grace",
 )

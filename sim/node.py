@@ -448,6 +448,7 @@ class SimNode:
             greeted = any(type(c) in (WorkerHello, Heartbeat) for c in commands)
             taken = seq if greeted and not refused else 0
             if taken:
+                self.w.observer.contact(shard, worker.name)
                 answers.append((shard, hs.epoch, taken, ()))
             moved |= self._refresh(hs, engine=bool(effects))
         if answers:
