@@ -171,6 +171,8 @@ ENGINE_MUTANTS = frozenset(
         "retry-no-backoff",
         "unpinned",
         "amo-no-grace",
+        "no-trigger",
+        "trigger-no-dedupe",
     }
 )
 
@@ -233,7 +235,9 @@ class EngineConfig:
     #: a lost worker waits the grace and ends LOST, as an at-most-once run does),
     #: "retry-no-backoff" (a failed attempt's retry ready at once, its backoff ignored) and
     #: "unpinned" (a run of an older version dispatched with its job's newest task) and
-    #: "amo-no-grace" (an at-most-once run of a lost worker LOST at once, no reattach grace).
+    #: "amo-no-grace" (an at-most-once run of a lost worker LOST at once, no reattach grace),
+    #: "no-trigger" (no trigger leaves: an upstream success or a timeout handler's) and
+    #: "trigger-no-dedupe" (a redelivered trigger runs its target again).
     #: Empty in production; never set it outside tests.
     mutants: frozenset[str] = frozenset()
 
@@ -2142,7 +2146,11 @@ class ShardEngine:
         # upstream run are not repeats. Looked up before the job itself, so that a redelivery
         # to a job cancelled since is still answered as one.
         known = self._key_of(cmd.job_id)
-        if known is not None and (known, cmd.source_run_id) in self._sources:
+        if (
+            known is not None
+            and (known, cmd.source_run_id) in self._sources
+            and "trigger-no-dedupe" not in self.config.mutants
+        ):
             # The original may not be durable yet: the source must not drop its outbox entry
             # before it is.
             self._reply_after_durable(cmd.request_id, {"duplicate": True})
@@ -2241,6 +2249,8 @@ class ShardEngine:
             del self._sources[oldest]
 
     def _send_trigger(self, target_job: str, source: _Run) -> None:
+        if "no-trigger" in self.config.mutants:
+            return
         out = rec.make("out", seq=0, job=target_job, src=self._run_id(source))
         if source.depth:
             out["dp"] = source.depth  # the source's chain depth; absent: 0 (a scheduled run)

@@ -33,7 +33,13 @@
    Except in the crash window DESIGN.md leaves open: an attempt sent by an owner that
    crashed before its claim was durable, and sent again by the next owner, which could not
    know of it (its worker's hello, announcing it, may come a moment later: it is then
-   stopped, and its report is only a note).
+   stopped, and its report is only a note);
+9. triggers across shards (DESIGN.md: a durable outbox, delivered at least once, repeats
+   ignored by the source run id): a job's ``after`` registration reaches its upstream's
+   shard; an upstream success sends a trigger to every dependent its shard had registered,
+   and a timeout with a ``trigger:`` handler to its target; and every trigger sent leaves at
+   most one run or skip tagged with its source in the target job, and exactly one when the
+   target job stood unchanged from before the trigger to the end.
 
 Owns the :class:`Observer` (drivers report what happened as it happens: actions, executions,
 acknowledgements) and :func:`final_checks` (the durable logs at the end). Must never change
@@ -256,6 +262,7 @@ def final_checks(world: World) -> tuple[list[Violation], Totals]:
         _check_log(world, store.shard, out, totals, known)
     _check_amo(world, out, totals)
     out += alo_overlaps(_executions_by_run(world, "at_least_once"), known)
+    _check_triggers(world, out)
     return out, totals
 
 
@@ -632,6 +639,105 @@ def _check_log(
             )
         )
         break
+
+
+def _check_triggers(world: World, out: list[Violation]) -> None:
+    """Check 9, over every shard's log at once (a trigger's source and target, and a
+    dependency's two jobs, may live on different shards). At most one violation of a kind."""
+    end = world.config.end_ms
+    # (target job id, source run id, source shard, when durable) of every trigger sent
+    sent: list[tuple[str, str, int, int]] = []
+    # (target job id, source run id) -> the runs (by time) and skips tagged with that source
+    landed: defaultdict[tuple[str, str], set[tuple[str, int]]] = defaultdict(set)
+    since: dict[str, int] = {}  # job id -> when its newest version became durable
+    gone: dict[str, bool] = {}  # job id -> whether its newest position is cancelled
+    after: dict[str, tuple[str, ...]] = {}  # job id -> its newest version's upstream jobs
+    registered: set[tuple[str, str]] = set()  # (upstream, downstream) on at the end
+    found: dict[str, str] = {}  # violation kind -> message (the first of each)
+
+    def flag(kind: str, message: str) -> None:
+        found.setdefault(kind, message)
+
+    for store in world.stores:
+        shard = store.shard
+        ids: dict[int, str] = {}
+        specs: dict[tuple[int, int], dict[str, Any]] = {}
+        deps: defaultdict[str, set[str]] = defaultdict(set)  # upstream -> its dependents
+        finals: set[tuple[int, int]] = set()
+        for batch in store.batches:
+            owed: list[tuple[str, str]] = []  # (target, source) this batch must send
+            outs: set[tuple[str, str]] = set()
+            for raw in batch.records:
+                for r in expand(raw) if raw["t"] == "fire" else (raw,):
+                    kind = r["t"]
+                    if kind == "job":
+                        ids[r["key"]] = r["id"]
+                        specs[(r["key"], r["ver"])] = r["spec"]
+                        since[r["id"]] = batch.durable_at
+                        after[r["id"]] = tuple(r["spec"].get("after", ()))
+                    elif kind == "pos" and r["key"] in ids:
+                        gone[ids[r["key"]]] = bool(r["gone"])
+                    elif kind == "dep":
+                        if r["on"]:
+                            deps[r["up"]].add(r["down"])
+                        else:
+                            deps[r["up"]].discard(r["down"])
+                    elif kind == "out" and r.get("dep") is None and r.get("src") is not None:
+                        sent.append((r["job"], r["src"], shard, batch.durable_at))
+                        outs.add((r["job"], r["src"]))
+                    elif kind == "skip" and r.get("src") is not None:
+                        landed[(ids.get(r["key"], "?"), r["src"])].add(("skip", r["lo"]))
+                    elif kind == "run":
+                        ref = (r["key"], r["at"])
+                        job_id = ids.get(r["key"], "?")
+                        if r.get("src") is not None:
+                            landed[(job_id, r["src"])].add(("run", r["at"]))
+                        state = r["state"]
+                        if state not in _ENDED or ref in finals:
+                            continue
+                        finals.add(ref)
+                        rid = f"{job_id}@{r['at']}"
+                        if state == "SUCCESS":
+                            owed += [(down, rid) for down in sorted(deps.get(job_id, ()))]
+                        elif state == "TIMED_OUT":
+                            spec = specs.get((r["key"], r["ver"]), {})
+                            handler = spec.get("on_timeout")
+                            if isinstance(handler, str) and handler.startswith("trigger:"):
+                                owed.append((handler.partition(":")[2], rid))
+            for target, source in owed:
+                if (target, source) not in outs:
+                    flag(
+                        "trigger-not-sent",
+                        f"shard {shard}: {source} ended at {batch.durable_at} ms owing a "
+                        f"trigger to {target}; its batch sent none",
+                    )
+        registered |= {(up, down) for up, downs in deps.items() for down in downs}
+
+    for job_id, ups in after.items():
+        if gone.get(job_id, True) or since[job_id] > end:
+            continue
+        for up in ups:
+            if (up, job_id) not in registered:
+                flag(
+                    "dependency-not-registered",
+                    f"{job_id} runs after {up} (its version durable at {since[job_id]} ms); "
+                    f"{up}'s shard does not have it at the end",
+                )
+    for target, source, shard, when in sent:
+        n = len(landed.get((target, source), ()))
+        if n > 1:
+            flag(
+                "trigger-repeated",
+                f"{source}'s trigger of {target} (sent from shard {shard}) left {n} runs or "
+                f"skips: {sorted(landed[(target, source)])}",
+            )
+        elif n == 0 and when <= end and not gone.get(target, True) and since[target] < when:
+            flag(
+                "trigger-lost",
+                f"{source}'s trigger of {target}, durable on shard {shard} at {when} ms, left "
+                f"no run or skip in {target}, which stood unchanged since {since[target]} ms",
+            )
+    out += [Violation(kind, message) for kind, message in found.items()]
 
 
 def _delivery(spec: dict[str, Any]) -> str:

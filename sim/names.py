@@ -28,4 +28,6 @@ MUTANTS: tuple[str, ...] = (
     "retry-no-backoff",
     "unpinned",
     "amo-no-grace",
+    "no-trigger",
+    "trigger-no-dedupe",
 )

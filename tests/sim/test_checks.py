@@ -1,10 +1,16 @@
-"""Check 8 on hand-made ground truth: two attempts of an at-least-once run executing at once
+"""Check 8 on hand-made ground truth (and check 9 on a real seed's logs, edited): two attempts of an at-least-once run executing at once
 is a violation, but for the crash window DESIGN.md leaves open (the next owner could not know
 of the earlier attempt: no record of its token was durable when the later one started)."""
 
 from __future__ import annotations
 
-from sim.checks import Execution, Violation, alo_overlaps
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from sim.checks import Execution, Violation, _check_triggers, alo_overlaps
+from sim.world import World
+from tests.sim.conftest import SMALL
 
 
 def token(epoch: int, n: int) -> int:
@@ -70,3 +76,53 @@ def test_an_attempt_exempt_against_one_is_still_judged_against_the_next() -> Non
     )
     assert [v.check for v in found] == ["at-least-once-attempts-overlap"]
     assert "attempt 1" in found[0].message and "attempt 3" in found[0].message
+
+
+# Check 9 on a real seed's logs, edited after the run: what a lost trigger or a lost
+# registration leaves behind is seen (the mutants no-trigger and trigger-no-dedupe cover the
+# sending side and the repeats; no mutant drops a delivery, so these edits do).
+
+
+def _seed_world(seed: int) -> World:
+    world = World(replace(SMALL, seed=seed))
+    result = world.run()
+    assert result.violations == []
+    return world
+
+
+def _checked(world: World) -> list[str]:
+    out: list[Violation] = []
+    _check_triggers(world, out)
+    return [v.check for v in out]
+
+
+def _drop(world: World, keep: Callable[[dict[str, Any]], bool]) -> int:
+    """Remove the durable records ``keep`` refuses (fire records are kept whole)."""
+    dropped = 0
+    for store in world.stores:
+        for batch in store.batches:
+            kept = tuple(r for r in batch.records if keep(r))
+            dropped += len(batch.records) - len(kept)
+            batch.records = kept
+    return dropped
+
+
+def test_a_trigger_that_left_nothing_in_its_target_is_seen() -> None:
+    world = _seed_world(3)
+    assert _checked(world) == []
+    sources = {
+        r["src"]
+        for store in world.stores
+        for batch in store.batches
+        for r in batch.records
+        if r["t"] in ("run", "skip") and r.get("src") is not None
+    }
+    assert sources
+    assert _drop(world, lambda r: not (r["t"] in ("run", "skip") and r.get("src") in sources))
+    assert "trigger-lost" in _checked(world)
+
+
+def test_a_registration_that_never_reached_its_upstream_is_seen() -> None:
+    world = _seed_world(3)
+    assert _drop(world, lambda r: r["t"] != "dep")
+    assert "dependency-not-registered" in _checked(world)

@@ -26,6 +26,8 @@ EXPECTED = {
     "retry-no-backoff": {"retry-before-backoff"},
     "unpinned": {"pinned-version"},
     "amo-no-grace": {"lost-within-grace"},
+    "no-trigger": {"trigger-not-sent"},
+    "trigger-no-dedupe": {"trigger-repeated"},
 }
 
 
