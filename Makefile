@@ -88,7 +88,9 @@ SIM_HOURS ?= 1
 sim: $(STAMP) bytecode native
 	$(BIN)/tickwheel sim --seeds $(SIM_SEEDS) --jobs $(SIM_JOBS) --hours $(SIM_HOURS) \
 		--faults all --report sim-report
-	for m in claim-after-fire no-epoch-fence no-self-fence no-redispatch report-ack-before-durable; do \
+	for m in claim-after-fire no-epoch-fence no-self-fence no-redispatch report-ack-before-durable \
+			lose-fire eager-catchup alo-lost retry-no-backoff unpinned amo-no-grace no-trigger \
+			trigger-no-dedupe; do \
 		$(BIN)/tickwheel sim --seeds 200 --jobs $(SIM_JOBS) --hours $(SIM_HOURS) \
 			--faults all --mutant $$m || exit 1; \
 	done
