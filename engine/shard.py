@@ -99,7 +99,6 @@ from engine.jobs import (
     parse_policy,
     retry_delay_ms,
     stored_policy,
-    validate_job,
 )
 from engine.memo import remember
 from engine.records import ACCT_EXHAUSTED, Record
@@ -514,6 +513,9 @@ class ShardEngine:
         self._offset_high = self._offset
         self._setback_mono = mono_ms
         self._raw_offset = self._offset  # wall minus monotonic, as the last tick saw it
+        #: monotonic ms not yet turned into slew (less than _SLEW_DIVISOR): carried from call
+        #: to call, so that calls less than a second apart still slew at 1 ms a second
+        self._slew_carry = 0
         self._counter = 0  # fencing tokens handed out in this epoch
         self._sends = 0  # dispatches numbered in this epoch (Dispatch.seq)
         self._batch = 0  # last batch id handed out
@@ -852,7 +854,16 @@ class ShardEngine:
         if in_setback and mono_ms - self._setback_mono > _SETBACK_MEMORY_MS:
             self._offset_high, in_setback = self._offset, False
         high = self._offset_high
-        trusted = min(wall_ms - mono_ms, high + (mono_ms - self._mono) // _SLEW_DIVISOR)
+        # The slew counts every monotonic ms since the last call, the remainder of the
+        # division included (found by review: with calls less than a second apart, as a busy
+        # node's are, the allowance was always 0, so forward corrections used up
+        # max_clock_jump_ms for good and every job fired that much late until a restart).
+        elapsed = self._slew_carry + mono_ms - self._mono
+        slewed = high + elapsed // _SLEW_DIVISOR
+        if wall_ms - mono_ms > slewed:
+            trusted, self._slew_carry = slewed, elapsed % _SLEW_DIVISOR
+        else:
+            trusted, self._slew_carry = wall_ms - mono_ms, 0  # caught up: nothing to carry
         limit = mono_ms + high + self.config.max_clock_jump_ms
         if wall_ms > limit:
             if not self._jumped:
@@ -1435,8 +1446,11 @@ class ShardEngine:
         if run is None:
             pinned = r.get("spec")
             if pinned is not None:
-                spec = validate_job(pinned, now_ms=self._wall)
-                pid = self._intern(_Profile.of(spec))
+                # Read as a stored spec, as a job record's is: it was validated when written,
+                # and a check added to creates since (host-only zones) must not keep the shard
+                # from recovering (found by review: a snapshot with such a pinned run could
+                # not be loaded).
+                pid = self._stored_profile(pinned)
             else:
                 pid = self._prof[key]
             run = _Run(key, at, r["ver"], pid, self._profiles[pid].policy, pinned=pinned)

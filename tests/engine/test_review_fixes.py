@@ -8,19 +8,29 @@
 * :meth:`ShardEngine.task_stopping`: true while a run the engine made final (a cancel with
   ``stop_running``) may still have its task running on its worker, false once that ends (the
   worker's report for that token, its lease lapsing, its hello without the run, the reattach
-  grace passing) and for a run that never reached a worker.
+  grace passing) and for a run that never reached a worker;
+* the trusted clock offset slews forward at 1 ms a second however often the engine is called
+  (called more than once a second, it never moved: forward corrections used up
+  ``max_clock_jump_ms`` for good, and every job fired that much late until a restart);
+* a pinned run's spec is read back as a stored spec at recovery, so a check added to creates
+  since (host-only zones such as ``right/UTC``) does not keep a snapshot from loading.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import os
 
 import pytest
 
 from engine.effects import (
     CancelJob,
+    CreateJob,
     Heartbeat,
     Kill,
     ReportFinished,
     ReportStarted,
+    UpdateJob,
     WorkerHello,
 )
 from engine.errors import EngineUsageError, ScheduleError
@@ -255,3 +265,71 @@ def test_stopping_is_not_recorded_across_a_restart() -> None:
     assert node.engine.task_stopping(rid)
     node.crash_and_recover(downtime_ms=10)
     assert not node.engine.task_stopping(rid)
+
+
+# --------------------------------------------------------------------------------------------
+# The clock's slew, called often
+
+
+def _late_after_two_forward_steps(step_ms: int) -> tuple[int, list[int]]:
+    """Two forward corrections of 3 s an hour apart (6 s: past max_clock_jump_ms), an hour
+    of ticks every ``step_ms`` after each; then how far the engine's time is behind the wall
+    clock, and how late (by the wall clock) the next fires go out."""
+    n = Node(config=EngineConfig(worker_lease_ms=10**9, reattach_grace_ms=10**9))
+    n.create(id="tick", schedule={"every": "10s"})
+    n.do(WorkerHello("w", ("default",), 10**6))
+    for _ in range(2):
+        n.advance(0, wall_extra=3000)
+        n.run_until(3_600_000, step=step_ms)
+    seen = len(n.dispatches)
+    late: list[int] = []
+    for _ in range(25_000 // step_ms):  # (two or more fires of the 10 s schedule)
+        n.advance(step_ms)
+        late += [n.wall - d.run.scheduled_ms for _t, d in n.dispatches[seen:]]
+        seen = len(n.dispatches)
+    return n.wall - n.engine.now_ms, late
+
+
+@pytest.mark.parametrize("step_ms", [1000, 100, 37])
+def test_the_offset_slews_forward_however_often_the_engine_is_called(step_ms: int) -> None:
+    behind, late = _late_after_two_forward_steps(step_ms)
+    # Before the fix: 0 and [0...] at 1000 ms; 1000 ms behind for good at 100 ms and 37 ms.
+    assert behind == 0
+    assert late and max(late) < step_ms + 10, late
+
+
+# --------------------------------------------------------------------------------------------
+# A pinned run's spec at recovery
+
+
+@pytest.mark.skipif(
+    not os.path.exists("/usr/share/zoneinfo/right/UTC"), reason="needs the host's right/ zones"
+)
+def test_a_pinned_run_of_a_host_only_zone_recovers_from_a_snapshot() -> None:
+    n = Node()
+    spec = validate_job(
+        {"id": "old", "schedule": {"cron": "* * * * *"}, "task": {"command": ["true"]}},
+        now_ms=n.wall,
+    )
+    # What a node before the create-time check stored: the host-only zone name.
+    legacy = dataclasses.replace(
+        spec, schedule=parse_schedule({"cron": "* * * * *", "tz": "right/UTC"})
+    )
+    n.do(CreateJob(n.request(), legacy))
+    n.do(WorkerHello("w", ("default",), 4))
+    n.run_until(61_000)
+    assert n.tickets()
+    new = validate_job(
+        {
+            "id": "old",
+            "schedule": {"cron": "* * * * *", "tz": "UTC"},
+            "task": {"command": ["true"]},
+        },
+        now_ms=n.wall,
+    )
+    n.do(UpdateJob(n.request(), new))  # the run in flight keeps (pins) the old version
+    pinned = [r for r in n.durable_records if r["t"] == "run" and "spec" in r]
+    assert pinned and pinned[-1]["spec"]["schedule"]["tz"] == "right/UTC"
+    n.take_snapshot()
+    n.crash_and_recover(via_snapshot=True)  # before the fix: ScheduleError
+    n.crash_and_recover(via_snapshot=False)
