@@ -21,6 +21,8 @@ I64_MAX: Final = (1 << 63) - 1
 #: The smallest and one past the largest 8-byte key part: range ends for whole prefixes.
 LOW8: Final = b"\x00" * 8
 HIGH8: Final = b"\xff" * 8
+#: above every key of the job-keyed families (runs, history, logs): longer than any, all ones
+PAST_EVERY_KEY: Final = b"\xff" * 64
 
 
 def u64(value: int) -> bytes:

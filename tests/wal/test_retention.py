@@ -518,3 +518,51 @@ def test_a_run_kept_in_flight_splits_the_range_in_two(tmp_path: Path, policy: Re
             costs[k] = (report.ranges, writes)
     assert costs[40][0] == costs[400][0] == 2, costs  # before the kept run, and after it
     assert costs[40][1] == costs[400][1] and costs[40][1][0] <= 10, costs
+
+
+# ------------------------------------------------------------- found by review (2026-12-04)
+
+
+def test_a_skip_range_is_aged_by_its_last_time_not_its_first(tmp_path: Path) -> None:
+    """The record of a long pause, written at the resume, covers times from long ago up to
+    now: age retention kept it by its first time, and so deleted it at the next pass, with
+    every time of the pause inside the age unaccounted for in the history."""
+    with open_store(tmp_path) as store:
+        store.write([created(1)])
+        resumed = T0 + 40 * DAY
+        # a job paused 40 days: one skip of every hourly time of the pause, then runs again
+        store.write([batch(2, skip(1, T0 + 3_600_000, resumed - 1, n=959, why="paused"))])
+        store.write([batch(3, run(1, resumed, "SUCCESS"))])
+        store.write([batch(4, skip(1, T0 + DAY, why="overlap"))])  # one old time: it goes
+        store.retain(resumed + 60_000, AGE)  # cutoff: 30 days after T0
+        kinds = [(h["t"], h["lo"], h["why"]) for h in store.history(1, 100)]
+        assert kinds == [("skip", T0 + 3_600_000, "paused")]  # before the fix: []
+        # Indexed again at its last time: once that is past the age, the next pass takes it.
+        store.retain(resumed + 5 * DAY, AGE)
+        assert [h["why"] for h in store.history(1, 100)] == ["paused"]
+        store.retain(resumed + 11 * DAY, AGE)
+        assert store.history(1, 100) == []
+        assert ats(store, 1) == [resumed]  # (the job's newest run stays, as always)
+
+
+def test_keys_and_policies_at_the_edges_are_typed_errors_not_struct_errors(
+    tmp_path: Path,
+) -> None:
+    from wal import codec
+    from wal.errors import StoreUsageError
+
+    top = codec.I64_MAX
+    with open_store(tmp_path) as store:
+        store.write([created(1), batch(2, run(1, T0, "SUCCESS"))])
+        # The greatest key: nothing stored under it, and no overflow of key + 1.
+        assert store.last_runs(top) == [] and store.history(top) == []
+        assert store.history_page(top) == ([], None)
+        assert store.jobs(after=top) == []
+        store.logs.drop(top, 0, 2**63)
+        with pytest.raises(StoreUsageError):
+            store.jobs(after=top + 1)
+    for bad in ({"max_age_ms": 30 * 86_400e3}, {"max_runs_per_job": 2.0}, {"max_age_ms": True}):
+        with pytest.raises(StoreUsageError, match="integer"):
+            Retention(**bad)  # type: ignore[arg-type]
+    with pytest.raises(StoreUsageError, match="2\\*\\*63"):
+        Retention(max_age_ms=2**63)
