@@ -577,11 +577,14 @@ async def _group_alive_async(pgid: int) -> bool:
 
 class Guard(Protocol):
     """What :func:`run_task` tells the worker's watchdog (:mod:`cluster.watchdog_link`). Each
-    call returns at once, never raises, never waits."""
+    call returns at once, never raises, never waits, but :meth:`announced`, which waits
+    (bounded) until the guard can know of the task announced last."""
 
     def announce(
         self, marker: tuple[bytes, ...], container: tuple[str, str, str] | None
     ) -> int: ...
+
+    async def announced(self) -> None: ...
 
     def spawned(self, key: int, pgid: int) -> None: ...
 
@@ -767,6 +770,7 @@ async def run_task(
             else (plan.runtime or "", plan.container, container_client_env(plan.env))
         )
         key = guard.announce(guard_marker(plan.env), container)
+        await guard.announced()  # (at once, unless the guard is behind: then it catches up)
     try:
         proc = await trio.lowlevel.open_process(
             list(plan.argv),

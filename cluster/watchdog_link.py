@@ -58,6 +58,10 @@ HEALTHY_S: Final = 10.0
 MAX_BACKLOG: Final = 1 << 20
 #: How long a clean close waits for the guard to exit before SIGKILLing it.
 CLOSE_WAIT_S: Final = 5.0
+#: How long a task's spawn waits for a guard that is behind (its pipe full) to have read the
+#: task's announcement; past it the guard is taken for hung and replaced (the replay to the
+#: next one holds the announcement), and the task spawns.
+CATCH_UP_S: Final = 5.0
 
 
 class WatchdogLink:
@@ -84,6 +88,7 @@ class WatchdogLink:
         self._closed = False
         self._replaced = trio.Event()  # set: the guard was killed as hung (supervise restarts)
         self._flush_wake = trio.Event()  # set: there is a backlog to write (_flush)
+        self._caught_up = trio.Event()  # set (and replaced) whenever the backlog is written
 
     # ------------------------------------------------------------------ the runner's calls
 
@@ -97,6 +102,21 @@ class WatchdogLink:
         self.mirror.apply(message)
         self._send(_format_announce(key, marker, container))
         return key
+
+    async def announced(self) -> None:
+        """Return once every line sent so far is in the pipe (at once, but for a guard behind:
+        its pipe full, the lines in this process's backlog). A task is spawned only then: a
+        worker that dies with the announcement still in its backlog left the task unknown to
+        a guard that was alive, only slow (found by review). A guard that has not caught up
+        within :data:`CATCH_UP_S` is replaced as hung; the replay to the next one holds the
+        announcement."""
+        if self._backlog is None or self._fd is None:
+            return
+        with trio.move_on_after(CATCH_UP_S):
+            while self._backlog is not None and self._fd is not None:
+                await self._caught_up.wait()
+            return
+        self._replace(f"did not read for {CATCH_UP_S:g} s")
 
     def spawned(self, key: int, pgid: int) -> None:
         """Task ``key`` runs as the leader of group ``pgid``."""
@@ -214,6 +234,9 @@ class WatchdogLink:
                 self._close_fd()  # the guard is gone: supervise sees it exit
             if not backlog and self._backlog is backlog:
                 self._backlog = None
+            if self._backlog is None:
+                self._caught_up.set()
+                self._caught_up = trio.Event()
 
     def _send(self, line: bytes) -> None:
         fd = self._fd
@@ -226,12 +249,19 @@ class WatchdogLink:
                 self._replace("stopped reading")
             return
         try:
-            os.write(fd, line)  # one line, below PIPE_BUF: all of it or nothing
+            written = os.write(fd, line)
         except BlockingIOError:
-            self._backlog = bytearray(line)
-            self._flush_wake.set()
+            written = 0
         except OSError:
             self._close_fd()  # it died: supervise starts another and replays
+            return
+        if written < len(line):
+            # The rest waits for room, before any later line. (A line longer than PIPE_BUF, a
+            # container task's with its runtime environment, is written in part when the
+            # pipe is nearly full: the rest was dropped, and the guard read one malformed
+            # line in place of two, the task's announcement lost: found by review.)
+            self._backlog = bytearray(line[written:])
+            self._flush_wake.set()
 
     def _replace(self, why: str) -> None:
         log.error("watchdog: the guard (pid %s) %s: replacing it", self.pid, why)
@@ -242,6 +272,8 @@ class WatchdogLink:
 
     def _close_fd(self) -> None:
         self._backlog = None
+        self._caught_up.set()  # (nothing to wait for: announced() returns)
+        self._caught_up = trio.Event()
         if self._fd is not None:
             fd, self._fd = self._fd, None
             os.close(fd)

@@ -91,6 +91,9 @@ class Guard:
         assert container is not None
         return 1
 
+    async def announced(self) -> None:
+        pass
+
     def spawned(self, key: int, pgid: int) -> None:
         pass
 

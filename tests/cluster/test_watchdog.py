@@ -495,6 +495,9 @@ class _Recorder:
         self.calls.append(("announce", marker, container))
         return 41
 
+    async def announced(self) -> None:
+        self.calls.append(("announced",))
+
     def spawned(self, key: int, pgid: int) -> None:
         self.calls.append(("spawned", key, pgid, _live(pgid)))
 
@@ -533,8 +536,16 @@ def _run_guarded(task: dict[str, Any], **kwargs: Any) -> tuple[Any, _Recorder]:
 def test_the_runner_registers_before_the_task_runs_and_unregisters_once_reaped() -> None:
     outcome, guard = _run_guarded({"shell": "exit 3"})
     assert outcome.exit_code == 3
-    (a, marker, box), (s, key, pgid, _), (d, key2) = guard.calls
-    assert (a, s, d, key, key2, box) == ("announce", "spawned", "done", 41, 41, None)
+    (a, marker, box), (w,), (s, key, pgid, _), (d, key2) = guard.calls
+    assert (a, w, s, d, key, key2, box) == (
+        "announce",
+        "announced",
+        "spawned",
+        "done",
+        41,
+        41,
+        None,
+    )
     assert marker[0].startswith(b"TICKWHEEL_RUN_ID=nightly-report@")
     assert marker[1].startswith(b"TICKWHEEL_FENCE=")
     assert not _live(pgid)  # done came after the group was over
@@ -543,10 +554,10 @@ def test_the_runner_registers_before_the_task_runs_and_unregisters_once_reaped()
 def test_a_stopped_task_is_unregistered_and_so_is_one_that_never_started() -> None:
     outcome, guard = _run_guarded({"shell": "exec sleep 30"}, kill=True)
     assert outcome.outcome == "killed"
-    assert [c[0] for c in guard.calls] == ["announce", "spawned", "done"]
+    assert [c[0] for c in guard.calls] == ["announce", "announced", "spawned", "done"]
     outcome, guard = _run_guarded({"command": ["/nonexistent/program"]})
     assert outcome.exit_code == 127
-    assert [c[0] for c in guard.calls] == ["announce", "done"]
+    assert [c[0] for c in guard.calls] == ["announce", "announced", "done"]
 
 
 def test_the_guard_removes_a_container_with_the_tasks_runtime_settings(
