@@ -238,7 +238,13 @@ def _charge(body: bytes, budget: int) -> Any:
         max_map_len=MAX_MAP_LEN,
         object_hook=charge_map,
         list_hook=charge_list,
+        ext_hook=_refuse_ext,
     )
+
+
+def _refuse_ext(code: int, data: bytes) -> object:
+    """msgpack's ``ext_hook``: no part of the protocol is an ext type (docs/protocol.md, 1)."""
+    raise ValueError(f"msgpack ext type {code} is not part of the protocol")
 
 
 def _request_id(body: bytes) -> int | None:
@@ -277,6 +283,7 @@ def _decode(body: bytes, budget: int | None = None) -> Message | ProtocolError:
                 strict_map_key=True,
                 max_array_len=MAX_ARRAY_LEN,
                 max_map_len=MAX_MAP_LEN,
+                ext_hook=_refuse_ext,
             )
         else:
             message = _charge(body, budget)

@@ -956,6 +956,14 @@ class Connection:
             self.send(error(exc.request_id, exc.code, exc.message, exc.field))
         except ProtocolError as exc:
             self.send(error(exc.request_id, exc.code, exc.message))
+        except Exception as exc:
+            # A bug in the parsing (one was a sort of text and bytes keys together: it ended
+            # the connection, every reply in flight on it lost; found by review): this request
+            # is answered `internal`, and the connection carries on (docs/protocol.md, 3).
+            log.exception("parsing a request failed")
+            rid = event.get("id")
+            rid = rid if isinstance(rid, int) and not isinstance(rid, bool) else None
+            self.send(error(rid, "internal", f"internal error: {type(exc).__name__}"))
         return None
 
     def _start(self, request: Request) -> None:

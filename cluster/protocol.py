@@ -127,7 +127,8 @@ def parse_request(message: Message) -> Request:
         raise ProtocolError("unknown_op", f"unknown op {op[:64]!r}", request_id)
     if not message.keys() <= _TOP_KEYS:  # (a subset test in C: the common case costs little)
         extra = set(message) - _TOP_KEYS
-        raise ProtocolError("bad_request", f"unknown keys {sorted(extra)}", request_id)
+        # (by repr: keys may be text and bytes at once, which do not compare: found by review)
+        raise ProtocolError("bad_request", f"unknown keys {sorted(extra, key=repr)}", request_id)
     args = message.get("args", {})
     if not isinstance(args, dict):
         raise ProtocolError("bad_args", "'args' must be a map", request_id)

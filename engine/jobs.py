@@ -18,6 +18,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Final
 
+from msgpack import ExtType
+
 from engine.errors import EngineUsageError, JobSpecError, PolicyRecordError, ScheduleError
 from engine.memo import remember
 from engine.schedules import Schedule, format_duration, parse_duration, parse_schedule
@@ -313,6 +315,13 @@ def _payload(value: object, field: str, depth: int, budget: _Budget) -> object:
         size = value.nbytes if isinstance(value, memoryview) else len(value)
         budget.spend(_bin_header(size) + size)
         return bytes(value)
+    if isinstance(value, ExtType):
+        # (A named tuple: it was stored as the list [code, data], a value the client never
+        # sent; found by review.)
+        raise JobSpecError(
+            f"must not hold a msgpack ext value (type {value.code}): use bin or a map",
+            field=field,
+        )
     if isinstance(value, list | tuple | dict):
         if depth >= MAX_PAYLOAD_DEPTH:
             raise JobSpecError(

@@ -12,7 +12,10 @@ what is fixed shows only across a restart:
 * boolean ``held`` tokens and ``seen`` entries are ``bad_args`` in hello and heartbeat;
 * ``job.preview`` of a one-shot ``schedule`` whose time is past shows it, ``past: fires at
   once``;
-* ``job.update`` of a cancelled job is ``not_found`` whatever its changes.
+* ``job.update`` of a cancelled job is ``not_found`` whatever its changes;
+* (a second review) unknown top-level keys of text and bytes together are ``bad_request``,
+  not a closed connection; a msgpack ext value is ``malformed`` on the wire and refused by the
+  engine, not stored as another value.
 """
 
 from __future__ import annotations
@@ -401,3 +404,65 @@ def test_update_of_a_cancelled_job_is_not_found_whatever_its_changes(
         await raw.aclose()
 
     run_with_node(tmp_path, body)
+
+
+# ============================================ found by the second review (2026-12-04)
+
+
+def test_text_and_bytes_unknown_keys_together_are_bad_request_not_a_closed_connection(
+    tmp_path: Path,
+) -> None:
+    """Found by review: the message naming the unknown keys sorted them, and a text key and
+    a bytes key do not compare: the TypeError ended the connection, with the replies of
+    every request in flight on it (a create pipelined just before was never answered)."""
+
+    async def body(node: Node, port: int) -> None:
+        raw = await Raw.open(port)
+        spec = {"id": "j1", "schedule": {"every": "1h"}, "task": TASK}
+        await raw.send({"id": 1, "op": "job.create", "args": {"spec": spec}})
+        await raw.send({"id": 2, "op": "ping", "x": 1, b"y": 2})
+        replies = {}
+        with trio.fail_after(10):
+            while len(replies) < 2:
+                reply = await raw.receive()
+                replies[reply["id"]] = reply
+        assert replies[1]["ok"]
+        assert error_of(replies[2])[0] == "bad_request"
+        assert "'x'" in replies[2]["error"]["message"] and "b'y'" in replies[2]["error"]["message"]
+        assert (await raw.call("ping"))["ok"]  # the connection carries on
+        await raw.aclose()
+
+    run_with_node(tmp_path, body)
+
+
+def test_a_msgpack_ext_value_is_refused_not_stored_as_another_value(tmp_path: Path) -> None:
+    """Found by review: an ext value in a payload (a named tuple once decoded) was stored as
+    the list ``[code, data]``, a value the client never sent. The wire refuses a frame that
+    holds one (``malformed``, with the request's id); the engine refuses one a library caller
+    passes (``invalid_job``)."""
+    import msgpack
+
+    from engine.errors import JobSpecError
+    from engine.jobs import validate_job
+
+    async def body(node: Node, port: int) -> None:
+        raw = await Raw.open(port)
+        sent = {"ts": msgpack.ExtType(5, b"\x00\x01")}
+        spec = {"id": "e", "schedule": {"every": "1h"}, "task": {"payload": sent}}
+        reply = await raw.call("job.create", {"spec": spec})
+        assert error_of(reply)[0] == "malformed", reply
+        assert error_of(await raw.call("job.get", {"id": "e"}))[0] == "not_found"
+        assert (await raw.call("ping"))["ok"]
+        await raw.aclose()
+
+    run_with_node(tmp_path, body)
+    with pytest.raises(JobSpecError, match="ext value") as caught:
+        validate_job(
+            {
+                "id": "e",
+                "schedule": {"every": "1h"},
+                "task": {"payload": {"ts": msgpack.ExtType(5, b"")}},
+            },
+            now_ms=0,
+        )
+    assert caught.value.field == "task.payload.ts"
