@@ -1,20 +1,20 @@
 """What must hold after every simulated run, judged on ground truth (issue 4):
 
 1. every owed fire time is accounted for: by a run that finished or is really in progress at
-   the end, or by a SKIPPED record whose reason the job's policies allow and the moment
-   bears out (``catchup`` only for a time more than the misfire threshold late when it was
-   skipped; ``updated`` and ``cancelled`` only beside the durable update or cancel of that
-   job). The owed times counted run up to the end of the load for every job live at the end
-   (not cancelled, not paused, not exhausted), not merely as far as the engine's own
-   accounting got: a job that silently stops firing owes the rest. An at-least-once run
-   never ends LOST (only an at-most-once run's outcome may be unknown), and no retry starts
-   before its backoff is over (the ready time of its durable PENDING record, less the skew
-   bound, counted from the end of the attempt that failed: its ready time is the node's
-   clock at the failure plus the backoff of the run's job version); and every attempt runs
-   the version its run fired under (its number, task and delivery), whatever the job became
-   since; and no at-most-once run is LOST sooner than the reattach grace after the last time
-   its owner heard from the worker while the worker executed that attempt (a hello or
-   heartbeat taken: the worker was alive and had it, so the grace is owed from then);
+   the end, or by a SKIPPED record whose reason the job's policies allow and the moment bears
+   out. In detail:
+   - the owed times run up to the end of the load for every job live at the end (not
+     cancelled, not paused, not exhausted), not merely as far as the engine's own accounting
+     got: a job that silently stops firing owes the rest;
+   - ``catchup`` only for a time more than the misfire threshold late when its skip became
+     durable; ``updated`` and ``cancelled`` only in the batch of that job's update or cancel;
+   - an at-least-once run never ends LOST (only an at-most-once run's outcome may be
+     unknown), and an at-most-once run is LOST no sooner than the reattach grace after the
+     last hello or heartbeat its owner took from the worker while it executed that attempt;
+   - no retry after a reported failure starts before its backoff (of the run's job version)
+     has passed since the failed attempt ended, less twice the skew bound;
+   - every attempt runs the version its run's records name, with that version's task and
+     delivery, whatever the job became since;
 2. no at-most-once run executed twice (a second execution needs a confirmed final report of
    the first);
 3. no run started before its scheduled time by more than the skew bound;
