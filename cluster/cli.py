@@ -8,11 +8,12 @@ commands never pay for numpy-heavy benchmark code they do not run.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import os
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Final, NoReturn
 
 from cluster import options
 
@@ -238,11 +239,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         _quiet_stdout()
         return 1
+    except OSError as exc:
+        if exc.errno not in _OUTPUT_ERRNOS:
+            raise
+        return _cannot_write(exc)
     except BaseExceptionGroup as group:
-        if all(isinstance(e, BrokenPipeError) for e in _leaves(group)):
+        leaves = _leaves(group)
+        if all(isinstance(e, BrokenPipeError) for e in leaves):
             _quiet_stdout()
             return 1
+        failed = [e for e in leaves if isinstance(e, OSError) and e.errno in _OUTPUT_ERRNOS]
+        if failed and len(failed) == len(leaves):
+            return _cannot_write(failed[0])
         raise
+
+
+#: The errors of a write to a file that cannot take it (stdout on a full disk, a device that
+#: fails): one line and status 1, not a traceback (found by review). Client commands read no
+#: files but ``submit --file``'s, whose errors are told before any of these could arise.
+_OUTPUT_ERRNOS: Final = frozenset({errno.ENOSPC, errno.EIO, errno.EDQUOT, errno.EFBIG})
+
+
+def _cannot_write(exc: OSError) -> int:
+    print(f"tickwheel: cannot write the output: {exc.strerror}", file=sys.stderr)
+    _quiet_stdout()
+    return 1
 
 
 def _leaves(exc: BaseException) -> list[BaseException]:

@@ -627,11 +627,11 @@ class Client:
                     why = self.last_connect_error
                     raise ConnectionLost(
                         f"{op}: connection to {self.host}:{self.port} lost and not made again "
-                        f"within {timeout_s or self.timeout_s} s"
+                        f"within {timeout_s or self.timeout_s:.3g} s"
                         + (f": {connect_reason(why)}" if why is not None else "")
                     ) from None
                 raise RequestTimeout(
-                    f"{op}: no reply within {timeout_s or self.timeout_s} s"
+                    f"{op}: no reply within {timeout_s or self.timeout_s:.3g} s"
                 ) from None
             await trio.sleep(0.05)
 

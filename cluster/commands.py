@@ -851,7 +851,15 @@ async def _submit_file(client: Client, args: argparse.Namespace) -> int:
         summary += f", {existed} there already with the same spec"
     if unconfirmed:
         summary += f", {unconfirmed} unconfirmed"
-    emit(args, ids, lambda _v: console.print(summary))
+    try:
+        emit(args, ids, lambda _v: console.print(summary))
+    except OSError:
+        # The jobs exist: their ids (generated for lines without one) must reach the user
+        # somewhere, or submitting the file again makes a second copy of each (found by
+        # review: stdout on a full disk). Then the error, told by cli.main.
+        err_console.print(json.dumps(ids), highlight=False, soft_wrap=True)
+        err_console.print(summary, highlight=False)
+        raise
     return 1 if failed else 0
 
 
