@@ -961,9 +961,7 @@ class Connection:
             # the connection, every reply in flight on it lost; found by review): this request
             # is answered `internal`, and the connection carries on (docs/protocol.md, 3).
             log.exception("parsing a request failed")
-            rid = event.get("id")
-            rid = rid if isinstance(rid, int) and not isinstance(rid, bool) else None
-            self.send(error(rid, "internal", f"internal error: {type(exc).__name__}"))
+            self.send(error(event.get("id"), "internal", f"internal error: {type(exc).__name__}"))
         return None
 
     def _start(self, request: Request) -> None:

@@ -623,14 +623,12 @@ class WorkerAgent:
         # the start reports of tasks still running (a start report lost with a broken
         # connection left the run CLAIMED for as long as its task ran: found by review). A
         # repeat the node already applied is a no-op for the current attempt.
-        restarts = False
         for rid, held in list(self.held.items()):
             if held.outcome is not None:
                 self.nursery.start_soon(self._report_finished, rid)
             elif held.started and held.gone is None:
                 self._to_start.append(held)
-                restarts = True
-        if restarts:
+        if self._to_start:
             self._wake_reporter()
 
     def _greet_again(self) -> None:

@@ -2754,12 +2754,7 @@ class ShardEngine:
         if pinned:
             if "unpinned" not in self.config.mutants:
                 return pinned["id"], pinned["task"]
-            recent = self._recent.get(run.key)  # the mutant: the newest version's task
-            if recent is not None:
-                return recent[2]["id"], recent[2]["task"]
-            found = self._directory.ticket_fields(run.key)
-            assert found is not None
-            return found[1], found[2]
+            return self._ticket_fields(run.key, self._ver[run.key])  # the mutant: the newest
         return self._ticket_fields(run.key, run.version)
 
     def _numbered(self, run: _Run, worker_id: str, ticket: RunTicket) -> Dispatch:

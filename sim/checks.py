@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.effects import RunTicket
 from engine.frozen import rebuilt_by_init
-from engine.jobs import DELIVERIES, Policy, retry_delay_ms, validate_job
+from engine.jobs import retry_delay_ms, stored_policy
 from engine.records import expand
 from engine.runs import FINAL_VALUES, token_epoch
 from engine.schedules import Schedule, parse_schedule
@@ -381,7 +381,7 @@ def _check_log(
                         nth = why_text.rpartition("; retry ")[2]
                         if nth.isdigit():
                             retry_of[(r["key"], r["at"], r["att"])] = (int(nth), r["ver"])
-                    if r["state"] in _REPORTED or "; retry" in (r.get("why") or ""):
+                    if r["state"] in _REPORTED or "; retry" in why_text:
                         reported.add((r["key"], r["at"], r["tok"]))
                     k = keys.get(r["key"])
                     if k is not None:
@@ -495,7 +495,7 @@ def _check_log(
     for (key, at), (r, when) in last_run.items():
         state = r["state"]
         spec = spec_of.get((key, r["ver"]))  # (a run pins the version it fired under)
-        if state == "LOST" and spec is not None and _delivery(spec) == "at_least_once":
+        if state == "LOST" and spec is not None and spec["delivery"] == "at_least_once":
             out.append(
                 Violation(
                     "at-least-once-lost",
@@ -526,19 +526,22 @@ def _check_log(
     # decided before its task ended, so only failures are looked at), by a clock at most the skew
     # bound behind true time; the retry goes out at that clock's ready time, read by a clock
     # (maybe another owner's) at most the skew bound ahead.
-    key_of_id = {k.job_id: key for key, k in keys.items()}
+    mine = [e for e in world.observer.executions if e.shard == shard]
+
+    def ref_of(e: Execution) -> tuple[int, int]:
+        job_id, _, at_text = e.run_id.rpartition("@")
+        return key_of.get(job_id, -1), int(at_text)
+
     failed_end: dict[tuple[str, int], int] = {}  # (run id, attempt) -> when its execution ended
-    for e in world.observer.executions:
-        if e.shard == shard and e.end is not None and e.outcome == "failed":
+    for e in mine:
+        if e.end is not None and e.outcome == "failed":
             failed_end[(e.run_id, e.attempt)] = min(
                 failed_end.get((e.run_id, e.attempt), e.end), e.end
             )
-    policies: dict[int, Policy] = {}
-    for e in world.observer.executions:
-        if e.shard != shard or e.attempt < 2:
+    for e in mine:
+        if e.attempt < 2:
             continue
-        job_id, _, at_text = e.run_id.rpartition("@")
-        key, at = key_of_id.get(job_id, -1), int(at_text)
+        key, at = ref_of(e)
         retry = retry_of.get((key, at, e.attempt))
         failed_at = failed_end.get((e.run_id, e.attempt - 1))
         if retry is None or failed_at is None:
@@ -547,9 +550,7 @@ def _check_log(
         spec = spec_of.get((key, version))
         if spec is None:
             continue
-        policy = policies.get(id(spec))
-        if policy is None:
-            policy = policies[id(spec)] = validate_job(spec, now_ms=T0).policy
+        policy, _after = stored_policy(spec)
         earliest = failed_at + retry_delay_ms(policy, nth) - 2 * cfg.skew_bound_ms
         if e.start < earliest:
             out.append(
@@ -564,19 +565,16 @@ def _check_log(
             break  # one per shard is enough
 
     # Check 1, pinned versions: an attempt runs the version its run fired under.
-    for e in world.observer.executions:
-        if e.shard != shard:
-            continue
-        job_id, _, at_text = e.run_id.rpartition("@")
-        ref = (key_of_id.get(job_id, -1), int(at_text))
+    for e in mine:
+        ref = ref_of(e)
         named = versions_at.get(ref)
         if named is None:
             continue
         spec = spec_of.get((ref[0], e.version))
         if e.version not in named or spec is None:
             wrong = f"its run's records name versions {sorted(named)}"
-        elif e.task != spec["task"] or e.delivery != _delivery(spec):
-            wrong = f"version {e.version} is {spec['task']} ({_delivery(spec)})"
+        elif e.task != spec["task"] or e.delivery != spec["delivery"]:
+            wrong = f"version {e.version} is {spec['task']} ({spec['delivery']})"
         else:
             continue
         out.append(
@@ -594,9 +592,8 @@ def _check_log(
     # slow by the drift bound, and its timers fire on ticks: 1% and 200 ms of slack.)
     grace_floor = cfg.engine.reattach_grace_ms * 0.99 - 200
     running_on: defaultdict[tuple[str, int], list[Execution]] = defaultdict(list)
-    for e in world.observer.executions:
-        if e.shard == shard:
-            running_on[(e.run_id, e.token)].append(e)
+    for e in mine:
+        running_on[(e.run_id, e.token)].append(e)
     for (key, at), (r, when) in last_run.items():
         if r["state"] != "LOST":
             continue
@@ -738,10 +735,6 @@ def _check_triggers(world: World, out: list[Violation]) -> None:
                 f"no run or skip in {target}, which stood unchanged since {since[target]} ms",
             )
     out += [Violation(kind, message) for kind, message in found.items()]
-
-
-def _delivery(spec: dict[str, Any]) -> str:
-    return str(spec.get("delivery", DELIVERIES[0]))
 
 
 def _check_amo(world: World, out: list[Violation], totals: Totals) -> None:

@@ -25,6 +25,17 @@ HIGH8: Final = b"\xff" * 8
 PAST_EVERY_KEY: Final = b"\xff" * 64
 
 
+def job_bound(key: int, at: int) -> bytes:
+    """The smallest key of job ``key`` at time ``at`` in the job-keyed families (runs,
+    history, logs: job key then time); ``at = 2**63`` gives the first key past the job (so
+    ``[job_bound(k, lo), job_bound(k, 2**63))`` is all of the job from ``lo``)."""
+    if at > I64_MAX:
+        if key == I64_MAX:
+            return PAST_EVERY_KEY  # (key + 1 does not fit: found by review)
+        return i64(key + 1) + LOW8
+    return i64(key) + i64(at)
+
+
 def u64(value: int) -> bytes:
     """8 big-endian bytes of ``0 <= value < 2**64``."""
     return _U64.pack(value)

@@ -427,11 +427,4 @@ def _unseen(state: list[Any], attempt: int, offset: int, data: bytes) -> bytes:
     return data
 
 
-def _run_bound(key: int, at: int) -> bytes:
-    """The smallest logs key of job ``key``'s run at ``at``; ``at = 2**63`` gives the first key
-    past the job (so ``[lo, 2**63)`` is everything of the job from ``lo``)."""
-    if at > codec.I64_MAX:
-        if key == codec.I64_MAX:
-            return codec.PAST_EVERY_KEY  # (key + 1 does not fit: found by review)
-        return codec.i64(key + 1) + codec.LOW8
-    return codec.i64(key) + codec.i64(at)
+_run_bound: Final = codec.job_bound

@@ -1393,10 +1393,9 @@ class ShardStore:
         if before is not None:
             for k, v in self._scan(_HISTORY, first, _bound(job, before)):
                 entry = self._decode(v)
-                if entry.get("t") == "skip" and isinstance(entry.get("hi"), int):
-                    if entry["hi"] >= before:
-                        young_skips.append((k, v))
-                        keep.append(entry["hi"])
+                if entry.get("t") == "skip" and entry["hi"] >= before:
+                    young_skips.append((k, v))
+                    keep.append(entry["hi"])
         start = codec.I64_MIN
         segments: list[tuple[int, int]] = []
         deleted = 0
@@ -1496,14 +1495,7 @@ _MISSING: Final = object()
 _HISTORY_KEY_BYTES: Final = 8 + 8 + 8 + 8 + 4
 
 
-def _bound(key: int, at: int) -> bytes:
-    """The smallest key of job ``key`` at time ``at`` in the runs/history/logs families;
-    ``at = 2**63`` gives the first key past the job."""
-    if at > codec.I64_MAX:
-        if key == codec.I64_MAX:
-            return codec.PAST_EVERY_KEY  # (key + 1 does not fit: found by review)
-        return codec.i64(key + 1) + codec.LOW8
-    return codec.i64(key) + codec.i64(at)
+_bound: Final = codec.job_bound
 
 
 def _db_options() -> Options:
